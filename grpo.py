@@ -19,8 +19,11 @@ Sources: DeepSeekMath (GRPO), DAPO (clip-higher eps_high=0.28, token-level loss,
 dynamic sampling = --filter-groups), Dr. GRPO (no std, no length normalisation).
 
 Where this file simplifies:
-  * pi_old is the policy that sampled the batch. With --ppo-epochs 1 the ratio is
-    exactly 1 at the single optimizer step, so pi_old = logp.detach() (no extra pass).
+  * pi_old is the policy that sampled the batch, as the trainer computes it. With
+    --ppo-epochs 1 the ratio is exactly 1 at the single optimizer step, so
+    pi_old = logp.detach() (no extra pass). With --backend vllm the engine's own log-probs
+    are not used in the ratio; their gap to the trainer's is logged each step
+    (logp_mismatch_mean / _max) as a diagnostic of the weight sync, not a correction.
   * --filter-groups drops the groups whose rewards are all equal; it does not sample
     more prompts to refill the batch as DAPO does.
   * With --beta 0 a completion with A_i = 0 has zero gradient, so it is not forwarded
@@ -502,6 +505,8 @@ def load_data(args):
         die(str(err))
     if not train or not held_out:
         die("the dataset has no problems")
+    if args.eval_dataset is None and not args.dataset.startswith("arith"):
+        print(f"warning: no --eval-dataset; evaluating on problems of {args.dataset} itself", file=sys.stderr)
     return train, held_out[: args.eval_problems]
 
 

@@ -665,6 +665,8 @@ def load_data(args):
         die(str(err))
     if not train or not held_out:
         die("the dataset has no problems")
+    if args.eval_dataset is None and not args.dataset.startswith("arith"):
+        print(f"warning: no --eval-dataset; evaluating on problems of {args.dataset} itself", file=sys.stderr)
     return train, held_out[: args.eval_problems]
 
 

@@ -241,3 +241,11 @@ def test_backend_vllm_without_vllm_is_a_one_line_error(monkeypatch):
         grpo.choose_backend("vllm")
     assert "pip install vllm" in str(err.value) and "\n" not in str(err.value)
     assert grpo.choose_backend("auto") == "hf"
+
+
+def test_empty_dataset_is_a_one_line_error(tiny_model_dir, tmp_path):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("\n\n")
+    with pytest.raises(SystemExit) as err:
+        grpo.main(["--model", tiny_model_dir, "--dataset", str(data), "--output-dir", str(tmp_path)])
+    assert "contains no problems" in str(err.value) and "\n" not in str(err.value)
