@@ -751,7 +751,8 @@ def main(argv=None):
     summary = {"pass@1_before": before["pass@1"], "pass@1_after": after["pass@1"],
                "pass@k_before": before["pass@k"], "pass@k_after": after["pass@k"], "k": args.eval_k,
                "steps": args.steps, "train_seconds": train_seconds, "seconds_per_step": train_seconds / args.steps,
-               "peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+               "peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # process RSS
+               "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
                "model": args.model, "backend": backend, "args": vars(args),
                "train_k": args.k, "passk_mode": args.passk_mode, "mix": args.mix}
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
