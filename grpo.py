@@ -83,8 +83,8 @@ def add_common_args(parser):
         help="weights dtype (auto: bfloat16 on GPU, float32 on CPU)")
     add("--backend", default="auto", choices=["auto", "hf", "vllm"],
         help="sampler: HF generate or vLLM in this process (auto: vLLM when installed and a GPU is present)")
-    add("--gpu-memory-utilization", type=float, default=0.3,
-        help="vLLM: share of GPU memory for its weights and KV cache (on a CPU build: share of RAM)")
+    add("--gpu-memory-utilization", type=float, default=None,
+        help="vLLM: share of GPU memory for its weights and KV cache (on a CPU build: share of RAM); default 0.3")
     add("--max-model-len", type=int, default=None, help="vLLM: longest prompt + completion (default: the model's)")
     add("--no-sleep", action="store_true", help="vLLM: keep the engine awake while training (no sleep mode)")
     add("--eval-problems", type=int, default=48, help="held-out problems per evaluation")
@@ -226,7 +226,7 @@ def create_vllm_engine(model_name, args, dtype):
     from vllm import LLM
     on_gpu = torch.cuda.is_available()
     return LLM(model=resolve_model_path(model_name), dtype=dtype, seed=args.seed,
-               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+               gpu_memory_utilization=args.gpu_memory_utilization or 0.3, max_model_len=args.max_model_len,
                enforce_eager=not on_gpu,  # CUDA graphs pay off on a GPU; on a CPU they only slow start-up
                enable_sleep_mode=on_gpu and not args.no_sleep,
                logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled (after temperature)
@@ -520,6 +520,9 @@ def main(argv=None):
     train_problems, eval_problems = load_data(args)
     backend = choose_backend(args.backend)
     print(f"backend: {backend}  device: {device}  model: {args.model}", file=sys.stderr)
+    if backend != "vllm" and (args.gpu_memory_utilization is not None or args.max_model_len or args.no_sleep):
+        print("warning: --gpu-memory-utilization, --max-model-len and --no-sleep apply to --backend vllm only; "
+              "ignored with the hf backend", file=sys.stderr)
     engine = create_vllm_engine(args.model, args, dtype) if backend == "vllm" else None  # before the policy
     model, tokenizer = load_model(args.model, dtype, device)
     ref_model = None

@@ -249,3 +249,8 @@ def test_empty_dataset_is_a_one_line_error(tiny_model_dir, tmp_path):
     with pytest.raises(SystemExit) as err:
         grpo.main(["--model", tiny_model_dir, "--dataset", str(data), "--output-dir", str(tmp_path)])
     assert "contains no problems" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_vllm_flags_with_hf_backend_are_not_silently_dropped(tiny_model_dir, tmp_path, capsys):
+    grpo.main(tiny_run(tiny_model_dir, tmp_path, "--steps", "1", "--backend", "hf", "--max-model-len", "256"))
+    assert "apply to --backend vllm only" in capsys.readouterr().err
