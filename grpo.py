@@ -29,6 +29,12 @@ Where this file simplifies:
   * With --beta 0 a completion with A_i = 0 has zero gradient, so it is not forwarded
     at all (it still counts in the loss normalisers): an exact shortcut.
 
+Precision: the trained weights and the AdamW state are float32 always (master weights); --dtype is
+the compute precision. bfloat16 runs forward and backward under torch.autocast (matmuls in bf16), the
+log-probs are taken in fp32 from the (bf16) logits; see token_logprobs for why that is acceptable.
+Storing the weights in bf16 instead would round away every update below half a bf16 ulp of a weight:
+at lr 1e-6 most of them. --save-dtype bfloat16 writes a half-size export; the default saves fp32.
+
 Run:
     python grpo.py                       # offline default: SmolLM2-135M-Instruct, built-in arithmetic, CPU
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset train.jsonl --eval-dataset test.jsonl
@@ -51,6 +57,9 @@ import verifier
 
 
 # ----------------------------------------------------------------------------- 1. flags
+
+# What --dtype auto computes in on a CPU: measured by tests/bench_precision.py (README, "Precision").
+CPU_AUTO_DTYPE = "float32"
 
 def add_common_args(parser):
     """Flags every script shares (same names, same meanings)."""
@@ -80,7 +89,10 @@ def add_common_args(parser):
     add("--scale-rewards", default="group", choices=["group", "none"], help="divide advantages by group std or not")
     add("--filter-groups", action="store_true", help="drop groups whose rewards are all equal (DAPO)")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-        help="weights dtype (auto: bfloat16 on GPU, float32 on CPU)")
+        help="compute precision (autocast); the trained weights and the optimizer state are always float32 "
+             f"(auto: bfloat16 on a GPU, {CPU_AUTO_DTYPE} on a CPU)")
+    add("--save-dtype", default="float32", choices=["float32", "bfloat16"],
+        help="precision of the saved checkpoints (float32: the master weights; bfloat16: a smaller export)")
     add("--backend", default="auto", choices=["auto", "hf", "vllm"],
         help="sampler: HF generate or vLLM in this process (auto: vLLM when installed and a GPU is present)")
     add("--gpu-memory-utilization", type=float, default=None,
@@ -127,6 +139,21 @@ def seed_everything(seed):
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def resolve_compute_dtype(name, device):
+    """--dtype -> the torch dtype forward and backward compute in. Weights stay float32 whatever it is:
+    an AdamW update smaller than half a bf16 ulp of a weight would be rounded away in bf16 storage
+    (SmolLM2 in bf16: one step at lr 1e-6 changed 0.4% of the parameters; fp32 master weights: all)."""
+    if name == "auto":
+        name = "bfloat16" if device == "cuda" else CPU_AUTO_DTYPE
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def autocast(device, compute_dtype):
+    """Mixed precision: matmuls in compute_dtype, fp32 weights, fp32 norms/softmax (torch's autocast
+    lists); a no-op for float32."""
+    return torch.autocast(device_type=device, dtype=compute_dtype, enabled=compute_dtype != torch.float32)
 
 
 # ----------------------------------------------------------------------------- 2. model and sampler
@@ -234,44 +261,57 @@ def create_vllm_engine(model_name, args, dtype):
 
 
 class Sampler:
-    """Samples n completions per prompt. `hf`: model.generate on the policy itself;
-    `vllm`: an in-process vLLM engine whose weights are replaced after every optimizer step."""
+    """Samples n completions per prompt. `hf`: model.generate on the policy itself (under the
+    compute precision's autocast); `vllm`: an in-process vLLM engine whose weights are replaced
+    after every optimizer step."""
 
-    def __init__(self, backend, model, tokenizer, engine=None):
+    def __init__(self, backend, model, tokenizer, engine=None, compute_dtype=torch.float32):
         self.backend, self.model, self.tokenizer, self.engine = backend, model, tokenizer, engine
+        self.compute_dtype = compute_dtype
         self.sleeping = False
 
-    def generate(self, prompts, n, max_new_tokens, temperature):
-        """prompts: lists of ids. Returns one dict per prompt x sample (prompt-major):
-        completion ids (cut after EOS), truncated flag, sampler log-probs (None for hf)."""
+    def generate(self, prompts, n, max_new_tokens, temperature, top_p=1.0, top_k=0, logprobs=False):
+        """prompts: lists of ids. Returns one dict per prompt x sample (prompt-major): completion ids
+        (cut after EOS), truncated flag, and the sampler's log-probs of those tokens under the
+        distribution it sampled from (after temperature, top-k, top-p): always with vllm, with hf
+        only when `logprobs` (it keeps a [P * n, V] score tensor a token: meant for short samples).
+        top_p=1, top_k=0 is the plain softmax the trainers need (their ratio assumes it)."""
         if self.backend == "vllm":
-            return self._generate_vllm(prompts, n, max_new_tokens, temperature)
-        return self._generate_hf(prompts, n, max_new_tokens, temperature)
+            return self._generate_vllm(prompts, n, max_new_tokens, temperature, top_p, top_k)
+        return self._generate_hf(prompts, n, max_new_tokens, temperature, top_p, top_k, logprobs)
 
     @torch.no_grad()
-    def _generate_hf(self, prompts, n, max_new_tokens, temperature):
+    def _generate_hf(self, prompts, n, max_new_tokens, temperature, top_p, top_k, logprobs):
         ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)  # [P, L]
         was_training = self.model.training
         self.model.eval()
-        out = self.model.generate(
-            input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device),
-            do_sample=True, temperature=temperature, top_k=0, top_p=1.0,  # the plain softmax we train on
-            max_new_tokens=max_new_tokens, num_return_sequences=n,
-            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
-        )  # [P * n, L + T], each prompt's n samples consecutive
+        with autocast(self.model.device.type, self.compute_dtype):
+            out = self.model.generate(
+                input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device),
+                do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
+                max_new_tokens=max_new_tokens, num_return_sequences=n,
+                pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
+                output_scores=logprobs, return_dict_in_generate=True,
+            )  # sequences [P * n, L + T], each prompt's n samples consecutive
         self.model.train(was_training)
+        new_tokens = out.sequences[:, ids.shape[1]:]  # [P * n, T]
+        if logprobs:  # scores: T tensors [P * n, V] of processed logits (-inf where filtered)
+            chosen = [torch.log_softmax(step.float(), dim=-1).gather(-1, new_tokens[:, t, None]).squeeze(-1)
+                      for t, step in enumerate(out.scores)]
+            sampled_logprobs = torch.stack(chosen, dim=1).tolist()  # [P * n, T]
         samples = []
-        for row in out[:, ids.shape[1]:].tolist():
+        for i, row in enumerate(new_tokens.tolist()):
             completion, truncated = cut_at_eos(row, self.tokenizer.eos_token_id)
-            samples.append({"ids": completion, "truncated": truncated, "sampler_logprobs": None})
+            samples.append({"ids": completion, "truncated": truncated,
+                            "sampler_logprobs": sampled_logprobs[i][: len(completion)] if logprobs else None})
         return samples
 
-    def _generate_vllm(self, prompts, n, max_new_tokens, temperature):
+    def _generate_vllm(self, prompts, n, max_new_tokens, temperature, top_p, top_k):
         from vllm import SamplingParams
         if self.sleeping:
             self.engine.wake_up()
             self.sleeping = False
-        params = SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_new_tokens,
                                 logprobs=0)  # logprobs=0: just the sampled token's
         outputs = self.engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         samples = []
@@ -342,21 +382,30 @@ def build_batch(prompts, completions, pad_id):
     return ids, attention_mask, completion_mask
 
 
-def token_logprobs(model, ids, attention_mask, num_completion_tokens, temperature, micro_batch, with_entropy=False):
+def token_logprobs(model, ids, attention_mask, num_completion_tokens, temperature, micro_batch, with_entropy=False,
+                   compute_dtype=torch.float32):
     """log pi(y_t | x, y_<t) of the last `num_completion_tokens` tokens of each row: [B, T] fp32.
 
     Selective log-softmax: logits are sliced to the completion (logits_to_keep) and each
     row's log-prob is gathered logit - logsumexp, in fp32 one row at a time, so the
     full-vocabulary fp32 log_softmax of the batch is never materialised.
-    Also returns the per-token entropy [B, T] (no grad) when asked, else None."""
+    Also returns the per-token entropy [B, T] (no grad) when asked, else None.
+
+    Precision: the forward runs under autocast(compute_dtype). With bfloat16 the logits come out of
+    the last matmul in bf16 (8 significant bits: a logit of 20 is known to about +-0.04); the
+    log-softmax is then taken in fp32. That is acceptable because the ratio pi_theta / pi_old compares
+    two log-probs computed the same way (with --ppo-epochs 1 it is exactly 1), and an error of 0.04 in
+    a log-prob moves a ratio by 4%, inside the clip range; the gradient flows through the same bf16
+    matmuls into fp32 weights. Use --dtype float32 where log-probs must be exact."""
     T = num_completion_tokens
     logprobs, entropies = [], []
     # Positions from the mask, so left padding does not shift them (as in generate).
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, L + T]
     for start in range(0, ids.shape[0], micro_batch):
         rows = slice(start, start + micro_batch)
-        logits = model(input_ids=ids[rows], attention_mask=attention_mask[rows], position_ids=position_ids[rows],
-                       logits_to_keep=T + 1).logits[:, :-1]  # [b, T, V]: position t predicts token t + 1
+        with autocast(model.device.type, compute_dtype):
+            logits = model(input_ids=ids[rows], attention_mask=attention_mask[rows], position_ids=position_ids[rows],
+                           logits_to_keep=T + 1).logits[:, :-1]  # [b, T, V]: position t predicts token t + 1
         targets = ids[rows, -T:]  # [b, T]
         for row_logits, row_targets in zip(logits, targets):
             scaled = row_logits.float() / temperature  # [T, V]
@@ -416,6 +465,7 @@ def train_step(model, optimizer, batch, args, ref_model=None):
         batch["ids"], batch["attention_mask"], batch["completion_mask"], batch["advantages"])
     num_sequences, num_tokens = ids.shape[0], completion_mask.sum().clamp(min=1)
     T = completion_mask.shape[1]
+    compute_dtype = resolve_compute_dtype(args.dtype, model.device.type)  # fp32 weights, bf16 or fp32 matmuls
     # Rows with A = 0 contribute nothing but KL; skip them when there is no KL (exact).
     active = torch.arange(ids.shape[0]) if args.beta > 0 else advantages.nonzero().squeeze(1)
     old_logp = ref_logp = None
@@ -423,10 +473,10 @@ def train_step(model, optimizer, batch, args, ref_model=None):
         with torch.no_grad():
             if args.ppo_epochs > 1:
                 old_logp = token_logprobs(model, ids[active], attention_mask[active], T, args.temperature,
-                                          args.micro_batch)[0]  # [A, T]
+                                          args.micro_batch, compute_dtype=compute_dtype)[0]  # [A, T]
             if args.beta > 0:
                 ref_logp = token_logprobs(ref_model, ids[active], attention_mask[active], T, args.temperature,
-                                          args.micro_batch)[0]  # [A, T]
+                                          args.micro_batch, compute_dtype=compute_dtype)[0]  # [A, T]
     stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": float("nan"), "grad_norm": 0.0}
     mismatch_sum, mismatch_max, mismatch_count = 0.0, 0.0, 0
     for epoch in range(args.ppo_epochs):
@@ -438,7 +488,7 @@ def train_step(model, optimizer, batch, args, ref_model=None):
             mb_ids, mb_attention, mb_mask = trim_columns(ids[rows], attention_mask[rows], completion_mask[rows])
             t = mb_mask.shape[1]
             logp, entropy = token_logprobs(model, mb_ids, mb_attention, t, args.temperature, len(rows),
-                                           with_entropy=True)  # [b, t]
+                                           with_entropy=True, compute_dtype=compute_dtype)  # [b, t]
             # ppo-epochs 1: pi_old is the sampling policy = current weights, so ratio = 1 exactly.
             mb_old = old_logp[mb, :t] if old_logp is not None else logp.detach()
             mb_ref = ref_logp[mb, :t] if ref_logp is not None else None
@@ -473,7 +523,8 @@ def train_step(model, optimizer, batch, args, ref_model=None):
 def evaluate(sampler, tokenizer, problems, args, prompt_chunk=8):
     """pass@1 (mean accuracy over --eval-samples samples) and unbiased pass@k on held-out problems."""
     correct_counts, lengths = [], []
-    for start in range(0, len(problems), prompt_chunk):
+    for start in tqdm(range(0, len(problems), prompt_chunk), desc="evaluate", unit="chunk", leave=False,
+                      dynamic_ncols=True):
         chunk = problems[start: start + prompt_chunk]
         prompts = [encode_prompt(tokenizer, p["question"], args.system_prompt) for p in chunk]
         samples = sampler.generate(prompts, args.eval_samples, args.max_new_tokens, args.temperature)
@@ -488,10 +539,19 @@ def evaluate(sampler, tokenizer, problems, args, prompt_chunk=8):
             "k": k, "mean_length": float(np.mean(lengths))}
 
 
-def save_checkpoint(model, tokenizer, folder):
-    """A checkpoint transformers (and vLLM) can load with from_pretrained(folder)."""
+def save_checkpoint(model, tokenizer, folder, save_dtype="float32"):
+    """A checkpoint transformers (and vLLM) can load with from_pretrained(folder). float32 keeps the
+    master weights exactly; bfloat16 writes a half-size export (the weights in memory are untouched)."""
     os.makedirs(folder, exist_ok=True)
-    model.save_pretrained(folder)
+    dtype = getattr(torch, save_dtype)
+    state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in model.state_dict().items()}
+    model.save_pretrained(folder, state_dict=state)
+    config_path = os.path.join(folder, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["dtype"] = save_dtype  # say what the files hold (save_pretrained writes the in-memory dtype)
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
     tokenizer.save_pretrained(folder)
 
 
@@ -515,20 +575,22 @@ def main(argv=None):
     check_args(args)
     seed_everything(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    compute_dtype = resolve_compute_dtype(args.dtype, device)
     train_problems, eval_problems = load_data(args)
     backend = choose_backend(args.backend)
     print(f"backend: {backend}  device: {device}  model: {args.model}", file=sys.stderr)
     if backend != "vllm" and (args.gpu_memory_utilization is not None or args.max_model_len or args.no_sleep):
         print("warning: --gpu-memory-utilization, --max-model-len and --no-sleep apply to --backend vllm only; "
               "ignored with the hf backend", file=sys.stderr)
-    engine = create_vllm_engine(args.model, args, dtype) if backend == "vllm" else None  # before the policy
-    model, tokenizer = load_model(args.model, dtype, device)
+    print(f"compute: {str(compute_dtype).replace('torch.', '')} (weights and optimizer state: float32)",
+          file=sys.stderr)
+    # The engine is never trained: it may hold the weights in the compute precision.
+    engine = create_vllm_engine(args.model, args, compute_dtype) if backend == "vllm" else None  # before the policy
+    model, tokenizer = load_model(args.model, torch.float32, device)  # fp32 master weights, always
     ref_model = None
-    if args.beta > 0:  # frozen copy of the starting policy
-        ref_model = load_model(args.model, dtype, device)[0].eval().requires_grad_(False)
-    sampler = Sampler(backend, model, tokenizer, engine)
+    if args.beta > 0:  # frozen copy of the starting policy; never updated, so compute precision is enough
+        ref_model = load_model(args.model, compute_dtype, device)[0].eval().requires_grad_(False)
+    sampler = Sampler(backend, model, tokenizer, engine, compute_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     os.makedirs(args.output_dir, exist_ok=True)
     metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "w")
@@ -580,17 +642,18 @@ def main(argv=None):
         metrics_file.flush()
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}", pass1=f"{last_eval['pass@1']:.2f}")
         if args.save_every and step % args.save_every == 0:
-            save_checkpoint(model, tokenizer, os.path.join(args.output_dir, f"step_{step}"))
+            save_checkpoint(model, tokenizer, os.path.join(args.output_dir, f"step_{step}"), args.save_dtype)
 
     after = evaluate(sampler, tokenizer, eval_problems, args)
     print(f"after:  pass@1 {after['pass@1']:.3f}  pass@{after['k']} {after['pass@k']:.3f}", file=sys.stderr)
-    save_checkpoint(model, tokenizer, os.path.join(args.output_dir, "final"))
+    save_checkpoint(model, tokenizer, os.path.join(args.output_dir, "final"), args.save_dtype)
     summary = {"pass@1_before": before["pass@1"], "pass@1_after": after["pass@1"],
                "pass@k_before": before["pass@k"], "pass@k_after": after["pass@k"], "k": args.eval_k,
                "steps": args.steps, "train_seconds": train_seconds, "seconds_per_step": train_seconds / args.steps,
                "peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # process RSS
                "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
-               "model": args.model, "backend": backend, "args": vars(args)}
+               "model": args.model, "backend": backend, "compute_dtype": str(compute_dtype).replace("torch.", ""),
+               "args": vars(args)}
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     metrics_file.close()

@@ -254,3 +254,97 @@ def test_empty_dataset_is_a_one_line_error(tiny_model_dir, tmp_path):
 def test_vllm_flags_with_hf_backend_are_not_silently_dropped(tiny_model_dir, tmp_path, capsys):
     grpo.main(tiny_run(tiny_model_dir, tmp_path, "--steps", "1", "--backend", "hf", "--max-model-len", "256"))
     assert "apply to --backend vllm only" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- precision: fp32 master weights
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the same tests cover the GPU branch when there is one
+
+
+def fraction_changed_by_one_step(model_dir, weights_dtype, compute_flag, lr=1e-6):
+    """Share of parameter elements that one train_step at `lr` changes (tiny model, real gradients)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=weights_dtype).to(DEVICE)
+    before = [p.detach().clone() for p in model.parameters()]
+    ids, attention, mask = grpo.build_batch([[1, 40, 41], [1, 50]], [[70, 71, 2], [72, 73, 2]], pad_id=2)
+    batch = {"ids": ids.to(DEVICE), "attention_mask": attention.to(DEVICE), "completion_mask": mask.to(DEVICE),
+             "advantages": torch.tensor([1.0, -1.0], device=DEVICE)}
+    args = grpo.parse_args(["--dtype", compute_flag, "--lr", str(lr), "--micro-batch", "2"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    grpo.train_step(model, optimizer, batch, args)
+    changed = sum((p.detach() != b).sum().item() for p, b in zip(model.parameters(), before))
+    return changed / sum(b.numel() for b in before)
+
+
+def test_bf16_compute_with_fp32_master_weights_applies_tiny_updates(tiny_model_dir):
+    """The papers' lr 1e-6: with fp32 master weights (bf16 only in the matmuls) one AdamW step moves
+    every parameter; with the weights themselves in bf16 most updates are rounded away."""
+    mixed = fraction_changed_by_one_step(tiny_model_dir, torch.float32, "bfloat16")
+    bf16_storage = fraction_changed_by_one_step(tiny_model_dir, torch.bfloat16, "bfloat16")
+    print(f"changed by one step at lr 1e-6: fp32 master + bf16 compute {mixed:.4f}, bf16 weights {bf16_storage:.4f}")
+    assert mixed >= 0.99
+    assert bf16_storage < 0.5  # what a bf16-stored policy suffers (and what --dtype no longer does)
+
+
+def test_resolve_compute_dtype():
+    assert grpo.resolve_compute_dtype("auto", "cuda") == torch.bfloat16
+    assert grpo.resolve_compute_dtype("auto", "cpu") == getattr(torch, grpo.CPU_AUTO_DTYPE)
+    assert grpo.resolve_compute_dtype("float32", "cuda") == torch.float32
+    assert grpo.resolve_compute_dtype("bfloat16", "cpu") == torch.bfloat16
+
+
+def test_bf16_compute_runs_end_to_end_and_saves_fp32_master_weights(tiny_model_dir, tmp_path):
+    from safetensors import safe_open
+    summary = grpo.main(tiny_run(tiny_model_dir, tmp_path, "--dtype", "bfloat16"))
+    assert summary["compute_dtype"] == "bfloat16"
+    with safe_open(str(tmp_path / "final" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r.get("loss", 0.0)) for r in records)
+
+
+def test_save_dtype_bfloat16_writes_a_half_size_export(tiny_model_dir, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    model, tokenizer = grpo.load_model(tiny_model_dir, torch.float32, "cpu")
+    grpo.save_checkpoint(model, tokenizer, str(tmp_path / "fp32"))
+    grpo.save_checkpoint(model, tokenizer, str(tmp_path / "bf16"), "bfloat16")
+    assert next(model.parameters()).dtype == torch.float32  # the master weights are untouched
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    size = {name: (tmp_path / name / "model.safetensors").stat().st_size for name in ("fp32", "bf16")}
+    assert size["bf16"] < 0.6 * size["fp32"]
+    export = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")  # loads as the dtype config.json names
+    assert export.dtype == torch.bfloat16
+    torch.testing.assert_close(export.lm_head.weight.float(), model.lm_head.weight.to(torch.bfloat16).float())
+
+
+# ----------------------------------------------------------------------------- the sampler's options
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 1.0), (0, 0.9)])
+def test_hf_sampler_logprobs_are_those_of_the_distribution_sampled(tiny_model_dir, top_k, top_p):
+    """logprobs=True: the log-prob of each sampled token under the (temperature, top-k, top-p)
+    distribution it was drawn from. With the plain softmax that equals the trainer's token_logprobs."""
+    model, tokenizer = grpo.load_model(tiny_model_dir, torch.float32, "cpu")
+    sampler = grpo.Sampler("hf", model, tokenizer)
+    prompts = [grpo.encode_prompt(tokenizer, "What is 1 + 1?"), grpo.encode_prompt(tokenizer, "Hi")]
+    torch.manual_seed(0)
+    samples = sampler.generate(prompts, 3, 6, 0.8, top_p=top_p, top_k=top_k, logprobs=True)
+    assert len(samples) == 6 and all(len(s["sampler_logprobs"]) == len(s["ids"]) for s in samples)
+    ids, attention, mask = grpo.build_batch([prompts[i // 3] for i in range(6)], [s["ids"] for s in samples], 2)
+    with torch.no_grad():
+        trainer, _ = grpo.token_logprobs(model, ids, attention, mask.shape[1], 0.8, micro_batch=6)
+    sampled, _ = grpo.right_pad([s["sampler_logprobs"] for s in samples], 0.0, torch.float32)
+    gap = (sampled - trainer)[mask.bool()]
+    if top_k == 0 and top_p == 1.0:
+        assert gap.abs().max() < 1e-4
+    else:  # renormalised over fewer tokens: never less likely than under the full softmax
+        assert (gap > -1e-4).all() and (gap > 1e-3).any()
+    assert grpo.Sampler("hf", model, tokenizer).generate(prompts, 2, 4, 1.0)[0]["sampler_logprobs"] is None
+
+
+def test_hf_sampler_top_k_1_is_greedy(tiny_model_dir):
+    model, tokenizer = grpo.load_model(tiny_model_dir, torch.float32, "cpu")
+    samples = grpo.Sampler("hf", model, tokenizer).generate([grpo.encode_prompt(tokenizer, "Hi")], 4, 6, 1.0, top_k=1)
+    assert len({tuple(s["ids"]) for s in samples}) == 1
