@@ -419,14 +419,17 @@ def token_logprobs(model, ids, attention_mask, num_completion_tokens, temperatur
     return torch.stack(logprobs), entropy  # [B, T]
 
 
-def policy_loss(logp, old_logp, advantages, eps_low, eps_high, ref_logp=None, beta=0.0):
+def policy_loss(logp, old_logp, advantages, eps_low, eps_high, ref_logp=None, beta=0.0, token_weights=None):
     """Per-token clipped surrogate (+ k3 KL). logp/old_logp/ref_logp [B, T], advantages [B].
+    token_weights [B, T] (detached; e.g. truncated importance weights) multiply the surrogate.
     Returns (loss per token [B, T], clipped indicator [B, T], kl per token [B, T] or None)."""
     adv = advantages[:, None]  # [B, 1]
     ratio = torch.exp(logp - old_logp)  # [B, T]
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
     loss = -torch.min(unclipped, clipped)  # [B, T]
+    if token_weights is not None:
+        loss = loss * token_weights
     is_clipped = (clipped < unclipped).float()  # the clip is what the min picked
     kl = None
     if beta > 0:
@@ -460,7 +463,13 @@ def trim_columns(ids, attention_mask, completion_mask):
 
 def train_step(model, optimizer, batch, args, ref_model=None):
     """One sampled batch -> --ppo-epochs optimizer steps. batch: ids, attention_mask,
-    completion_mask, advantages [B]. Returns diagnostics."""
+    completion_mask, advantages [B]. Returns diagnostics.
+
+    Off-policy tokens (tokens another model sampled, as in w2spo.py) come as optional
+    batch["behaviour_logprobs"] [B, T] (log-probs under the model that sampled them), batch["off_policy"]
+    [B, T] (1 on those tokens) and batch["is_mode"]: "clip" takes their ratio against the behaviour
+    log-probs; "truncated" keeps the ratio against pi_old and multiplies their surrogate by the detached
+    weight min(pi_theta / pi_behaviour, batch["is_cap"]); "none" treats them as the policy's own."""
     ids, attention_mask, completion_mask, advantages = (
         batch["ids"], batch["attention_mask"], batch["completion_mask"], batch["advantages"])
     num_sequences, num_tokens = ids.shape[0], completion_mask.sum().clamp(min=1)
@@ -479,6 +488,7 @@ def train_step(model, optimizer, batch, args, ref_model=None):
                                           args.micro_batch, compute_dtype=compute_dtype)[0]  # [A, T]
     stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": float("nan"), "grad_norm": 0.0}
     mismatch_sum, mismatch_max, mismatch_count = 0.0, 0.0, 0
+    is_sum, is_count = 0.0, 0  # pi_theta / pi_behaviour over off-policy tokens (a diagnostic)
     for epoch in range(args.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         loss_sum, clipped, kl_sum, entropy_sum, counted = 0.0, 0.0, 0.0, 0.0, 0.0
@@ -492,8 +502,18 @@ def train_step(model, optimizer, batch, args, ref_model=None):
             # ppo-epochs 1: pi_old is the sampling policy = current weights, so ratio = 1 exactly.
             mb_old = old_logp[mb, :t] if old_logp is not None else logp.detach()
             mb_ref = ref_logp[mb, :t] if ref_logp is not None else None
+            weights = None
+            if "behaviour_logprobs" in batch:  # off-policy tokens: importance correction (batch["is_mode"])
+                off = batch["off_policy"][rows, :t].bool() & mb_mask.bool()  # [b, t]
+                behaviour_ratio = torch.exp(logp.detach() - batch["behaviour_logprobs"][rows, :t])  # [b, t]
+                if batch["is_mode"] == "clip":  # ratio against the model that sampled the token
+                    mb_old = torch.where(off, batch["behaviour_logprobs"][rows, :t], mb_old)
+                elif batch["is_mode"] == "truncated":  # a capped, detached weight on the usual surrogate
+                    weights = torch.where(off, behaviour_ratio.clamp(max=batch["is_cap"]), torch.ones_like(logp))
+                if epoch == 0:
+                    is_sum, is_count = is_sum + behaviour_ratio[off].sum().item(), is_count + int(off.sum())
             token_loss, is_clipped, kl = policy_loss(logp, mb_old, advantages[rows], args.eps_low, args.eps_high,
-                                                     mb_ref, args.beta)
+                                                     mb_ref, args.beta, weights)
             loss = aggregate_loss(token_loss, mb_mask, args.loss_agg, num_tokens, num_sequences, args.max_new_tokens)
             loss.backward()
             if epoch == 0 and "sampler_logprobs" in batch:  # vLLM: engine vs trainer on the sampled tokens
@@ -513,6 +533,8 @@ def train_step(model, optimizer, batch, args, ref_model=None):
             stats.update(loss=loss_sum, clip_frac=clipped / counted, kl=kl_sum / counted,
                          entropy=entropy_sum / counted)
     stats["trained_sequences"] = len(active)
+    if "behaviour_logprobs" in batch:
+        stats["off_policy_ratio_mean"] = is_sum / max(is_count, 1)
     if "sampler_logprobs" in batch:  # a diagnostic only: the ratio uses the trainer's own old log-probs
         stats.update(logp_mismatch_mean=mismatch_sum / max(mismatch_count, 1), logp_mismatch_max=mismatch_max)
     return stats
