@@ -216,11 +216,14 @@ def resolve_model_path(name):
     gguf_dir = list(spec.submodule_search_locations)[0]
     print(f"converting {gguf_name} to a checkpoint in {folder} (once)", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
-    config = gguf_model.config
-    if hasattr(config, "quantization_config"):  # a GGUF-loaded model refuses save_pretrained
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Building models draws random initial weights: keep the caller's RNG as it was, so a seeded run
+    # is the same run whether or not it had to convert the model first.
+    with torch.random.fork_rng(devices=[]):
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):  # a GGUF-loaded model refuses save_pretrained
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
     staging = f"{folder}.tmp{os.getpid()}"
     model.save_pretrained(staging)

@@ -348,3 +348,15 @@ def test_hf_sampler_top_k_1_is_greedy(tiny_model_dir):
     model, tokenizer = grpo.load_model(tiny_model_dir, torch.float32, "cpu")
     samples = grpo.Sampler("hf", model, tokenizer).generate([grpo.encode_prompt(tokenizer, "Hi")], 4, 6, 1.0, top_k=1)
     assert len({tuple(s["ids"]) for s in samples}) == 1
+
+
+def test_converting_the_default_model_leaves_the_rng_alone(tmp_path, monkeypatch):
+    """The first run on a machine converts the GGUF default model; building models draws random numbers.
+    That must not shift a seeded run: the first run and every later one are the same run."""
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path))  # nothing cached: this converts
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    folder = grpo.resolve_model_path("smollm2-135m")
+    assert torch.equal(torch.rand(3), expected)
+    assert (tmp_path / "SmolLM2-135M-Instruct" / "config.json").exists() and folder.startswith(str(tmp_path))
