@@ -71,6 +71,7 @@ import math
 import os
 import random
 import resource
+import shutil
 import sys
 import time
 
@@ -646,7 +647,8 @@ def train_step(model, optimizer, batch, args, ref_model=None):
             if args.beta > 0:
                 ref_logp = token_logprobs(ref_model, ids[active], attention_mask[active], T, args.temperature,
                                           args.micro_batch, compute_dtype=compute_dtype)[0]  # [A, T]
-    stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": float("nan"), "grad_norm": 0.0}
+    stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": float("nan"), "grad_norm": 0.0,
+             "skipped_nonfinite": 0}
     mismatch_sum, mismatch_max, mismatch_count = 0.0, 0.0, 0
     is_sum, is_count = 0.0, 0  # pi_theta / pi_behaviour over off-policy tokens (a diagnostic)
     for epoch in range(args.ppo_epochs):
@@ -687,11 +689,15 @@ def train_step(model, optimizer, batch, args, ref_model=None):
             entropy_sum += (entropy * mask).sum().item()
             counted += mask.sum().item()
         if counted:
-            if args.max_grad_norm > 0:
-                stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-            optimizer.step()
+            # The total gradient norm (clipped when --max-grad-norm > 0; inf disables clipping, only measures).
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf")))
             stats.update(loss=loss_sum, clip_frac=clipped / counted, kl=kl_sum / counted,
-                         entropy=entropy_sum / counted)
+                         entropy=entropy_sum / counted, grad_norm=grad_norm)
+            if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):  # never apply a NaN/inf update
+                optimizer.zero_grad(set_to_none=True)
+                stats["skipped_nonfinite"] = stats.get("skipped_nonfinite", 0) + 1
+                continue
+            optimizer.step()
     stats["trained_sequences"] = len(active)
     if "behaviour_logprobs" in batch:
         stats["off_policy_ratio_mean"] = is_sum / max(is_count, 1)
@@ -723,18 +729,25 @@ def evaluate(sampler, tokenizer, problems, args, prompt_chunk=8):
 
 def save_checkpoint(model, tokenizer, folder, save_dtype="float32"):
     """A checkpoint transformers (and vLLM) can load with from_pretrained(folder). float32 keeps the
-    master weights exactly; bfloat16 writes a half-size export (the weights in memory are untouched)."""
-    os.makedirs(folder, exist_ok=True)
+    master weights exactly; bfloat16 writes a half-size export (the weights in memory are untouched).
+    Written to a temporary folder and renamed into place: a kill while saving never leaves a half-written
+    checkpoint under `folder`."""
+    staging = f"{folder.rstrip(os.sep)}.tmp{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
     dtype = getattr(torch, save_dtype)
     state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in model.state_dict().items()}
-    model.save_pretrained(folder, state_dict=state)
-    config_path = os.path.join(folder, "config.json")
+    model.save_pretrained(staging, state_dict=state)
+    config_path = os.path.join(staging, "config.json")
     with open(config_path) as f:
         config = json.load(f)
     config["dtype"] = save_dtype  # say what the files hold (save_pretrained writes the in-memory dtype)
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
-    tokenizer.save_pretrained(folder)
+    tokenizer.save_pretrained(staging)
+    if os.path.exists(folder):  # an earlier run's checkpoint of the same name: swap it out, then delete it
+        os.replace(folder, f"{staging}.old")
+    os.replace(staging, folder)
+    shutil.rmtree(f"{staging}.old", ignore_errors=True)
 
 
 def load_data(args):

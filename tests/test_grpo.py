@@ -360,3 +360,39 @@ def test_converting_the_default_model_leaves_the_rng_alone(tmp_path, monkeypatch
     folder = grpo.resolve_model_path("smollm2-135m")
     assert torch.equal(torch.rand(3), expected)
     assert (tmp_path / "SmolLM2-135M-Instruct" / "config.json").exists() and folder.startswith(str(tmp_path))
+
+
+def test_a_nonfinite_step_is_skipped_and_never_applied(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    before = [p.detach().clone() for p in model.parameters()]
+    ids, attention, mask = grpo.build_batch([[1, 40], [1, 50]], [[70, 2], [72, 2]], pad_id=2)
+    args = grpo.parse_args(["--micro-batch", "2", "--lr", "1e-2"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = {"ids": ids, "attention_mask": attention, "completion_mask": mask,
+             "advantages": torch.tensor([float("nan"), 1.0])}  # a NaN reward upstream, say
+    stats = grpo.train_step(model, optimizer, batch, args)
+    assert stats["skipped_nonfinite"] == 1
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "a NaN step changed the weights"
+    assert not optimizer.state  # AdamW's moments were not touched either
+    batch["advantages"] = torch.tensor([-1.0, 1.0])
+    stats = grpo.train_step(model, optimizer, batch, args)
+    assert stats["skipped_nonfinite"] == 0 and math.isfinite(stats["grad_norm"]) and stats["grad_norm"] > 0
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_checkpoints_are_replaced_whole(tiny_model_dir, tmp_path):
+    """save_checkpoint writes beside the target and renames: the folder is always one complete checkpoint,
+    and saving again over it replaces it (no stale files, no temporary folders left behind)."""
+    from transformers import AutoModelForCausalLM
+    model, tokenizer = grpo.load_model(tiny_model_dir, torch.float32, "cpu")
+    folder = str(tmp_path / "ckpt")
+    grpo.save_checkpoint(model, tokenizer, folder)
+    (tmp_path / "ckpt" / "stale.txt").write_text("from an earlier save")
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    grpo.save_checkpoint(model, tokenizer, folder)
+    assert not (tmp_path / "ckpt" / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    reloaded = AutoModelForCausalLM.from_pretrained(folder)
+    torch.testing.assert_close(reloaded.lm_head.weight, model.lm_head.weight)

@@ -18,10 +18,10 @@ if os.environ.get("RLVR_REQUIRE_VLLM") != "1":
 PROMPTS = ["What is 3 + 4?", "What is 12 + 9? Answer with just the number.", "Name a prime."]
 
 
-def make_engine(model, **flags):
+def make_engine(model, dtype=torch.float32, **flags):
     args = grpo.parse_args(["--model", model, "--gpu-memory-utilization", "0.3", "--max-model-len", "512",
                             *[x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]])
-    return grpo.create_vllm_engine(model, args, torch.float32)
+    return grpo.create_vllm_engine(model, args, dtype)
 
 
 def engine_vs_policy_gap(sampler, policy, tokenizer, temperature=1.0, max_new_tokens=16):
@@ -97,3 +97,22 @@ def test_grpo_runs_through_vllm(tiny_model_dir, tmp_path):
     for r in trained:  # the engine kept up with every optimizer step
         assert r["logp_mismatch_mean"] < 1e-3 and r["logp_mismatch_max"] < 1e-2
     assert (tmp_path / "run" / "final" / "config.json").exists()
+
+
+def test_bf16_engine_takes_fp32_master_weights(tiny_model_dir):
+    """The GPU set-up on the CPU: a bf16 engine (never trained) fed by an fp32 policy. The sync casts the
+    master weights; afterwards engine and policy differ only by bf16 rounding, far less than a stale engine."""
+    engine = make_engine(tiny_model_dir, torch.bfloat16)
+    policy, tokenizer = grpo.load_model(tiny_model_dir, torch.float32, "cpu")
+    sampler = grpo.Sampler("vllm", policy, tokenizer, engine)
+    at_start = engine_vs_policy_gap(sampler, policy, tokenizer)
+    a_few_optimizer_steps(policy, tokenizer)
+    stale = engine_vs_policy_gap(sampler, policy, tokenizer)
+    sampler.sync_weights(policy)
+    synced = engine_vs_policy_gap(sampler, policy, tokenizer)
+    print(f"bf16 engine vs fp32 policy |dlogp|: at start {at_start:.3g}, stale {stale:.3g}, synced {synced:.3g}")
+    assert next(policy.parameters()).dtype == torch.float32  # the sync did not touch the master weights
+    assert synced < 0.05, f"more than bf16 rounding between engine and policy after the sync: {synced}"
+    assert stale > 5 * synced and stale > 0.05, (stale, synced)
+    del engine, sampler
+    gc.collect()
