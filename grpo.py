@@ -45,6 +45,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import shutil
 import sys
@@ -93,7 +94,8 @@ def add_common_args(parser):
         help="compute precision (autocast); the trained weights and the optimizer state are always float32 "
              f"(auto: bfloat16 on a GPU, {CPU_AUTO_DTYPE} on a CPU)")
     add("--save-dtype", default="float32", choices=["float32", "bfloat16"],
-        help="precision of the saved checkpoints (float32: the master weights; bfloat16: a smaller export)")
+        help="precision of final/ (float32: the master weights; bfloat16: a half-size export); "
+             "step_N/ always keep float32 for --resume")
     add("--backend", default="auto", choices=["auto", "hf", "vllm"],
         help="sampler: HF generate or vLLM in this process (auto: vLLM when installed and a GPU is present)")
     add("--gpu-memory-utilization", type=float, default=None,
@@ -105,7 +107,10 @@ def add_common_args(parser):
     add("--eval-k", type=int, default=4, help="k of the reported pass@k")
     add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only before and after)")
     add("--output-dir", default="runs/grpo", help="metrics.jsonl, summary.json and checkpoints go here")
-    add("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: only the final one)")
+    add("--save-every", type=int, default=0,
+        help="save a resumable checkpoint every N steps (step_N/: fp32 weights, optimizer, RNG; 0: only final/)")
+    add("--resume", default=None, metavar="DIR",
+        help="continue the run whose --output-dir is DIR from its newest step_N/ checkpoint, with its own flags")
     add("--seed", type=int, default=0, help="same seed on CPU gives the same run")
 
 
@@ -570,9 +575,10 @@ def evaluate(sampler, tokenizer, problems, args, prompt_chunk=8):
             "k": k, "mean_length": float(np.mean(lengths))}
 
 
-def save_checkpoint(model, tokenizer, folder, save_dtype="float32"):
+def save_checkpoint(model, tokenizer, folder, save_dtype="float32", resume_state=None):
     """A checkpoint transformers (and vLLM) can load with from_pretrained(folder). float32 keeps the
     master weights exactly; bfloat16 writes a half-size export (the weights in memory are untouched).
+    resume_state (optimizer, RNG, loop counters) goes in as resume_state.pt, for --resume.
     Written to a temporary folder and renamed into place: a kill while saving never leaves a half-written
     checkpoint under `folder`."""
     staging = f"{folder.rstrip(os.sep)}.tmp{os.getpid()}"
@@ -587,10 +593,65 @@ def save_checkpoint(model, tokenizer, folder, save_dtype="float32"):
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
     tokenizer.save_pretrained(staging)
+    if resume_state is not None:
+        torch.save(resume_state, os.path.join(staging, "resume_state.pt"))
     if os.path.exists(folder):  # an earlier run's checkpoint of the same name: swap it out, then delete it
         os.replace(folder, f"{staging}.old")
     os.replace(staging, folder)
     shutil.rmtree(f"{staging}.old", ignore_errors=True)
+
+
+def rng_states():
+    """Every random number generator a run draws from (sampling, shuffles), to save with a checkpoint."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_states(states):
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def find_resume_state(args, argv):
+    """--resume DIR: the newest complete step_N/ checkpoint of DIR and its saved state, or None without
+    --resume. The resumed run takes back its own flags (a different value given now is reported, not used)
+    and keeps writing to DIR. Checkpoints are renamed into place whole, so any step_N/ is complete."""
+    if not args.resume:
+        return None, None
+    steps = []
+    if os.path.isdir(args.resume):
+        steps = [int(name[5:]) for name in os.listdir(args.resume) if re.fullmatch(r"step_\d+", name)
+                 and os.path.exists(os.path.join(args.resume, name, "resume_state.pt"))]
+    if not steps:
+        die(f"--resume {args.resume}: no resumable checkpoint there (a run saves step_N/ with --save-every N)")
+    folder = os.path.join(args.resume, f"step_{max(steps)}")
+    state = torch.load(os.path.join(folder, "resume_state.pt"), weights_only=False)  # our own file: RNG tuples
+    given = {token[2:].split("=")[0].replace("-", "_") for token in (sys.argv[1:] if argv is None else argv)
+             if token.startswith("--")}  # the flags typed now
+    changed = [f"--{name.replace('_', '-')}" for name in sorted(given - {"resume", "output_dir"})
+               if getattr(args, name, None) != state["args"].get(name)]
+    if changed:
+        print(f"warning: resuming with the run's own flags; ignored: {' '.join(changed)}", file=sys.stderr)
+    resume_dir = args.resume
+    vars(args).update(state["args"])
+    args.resume, args.output_dir = resume_dir, resume_dir
+    print(f"resuming {resume_dir} after step {state['step']}", file=sys.stderr)
+    return folder, state
+
+
+def open_metrics(output_dir, resumed_step=None):
+    """metrics.jsonl for writing; when resuming, cut back to the checkpoint's step so no step appears twice."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if resumed_step is None:
+        return open(path, "w")
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resumed_step]
+    with open(path, "w") as f:
+        f.writelines(kept)
+    return open(path, "a")
 
 
 def load_data(args):
@@ -610,6 +671,7 @@ def load_data(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    resume_folder, resume = find_resume_state(args, argv)  # (None, None) unless --resume
     check_args(args)
     seed_everything(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -623,21 +685,28 @@ def main(argv=None):
     print(f"compute: {str(compute_dtype).replace('torch.', '')} (weights and optimizer state: float32)",
           file=sys.stderr)
     # The engine is never trained: it may hold the weights in the compute precision.
-    engine = create_vllm_engine(args.model, args, compute_dtype) if backend == "vllm" else None  # before the policy
-    model, tokenizer = load_model(args.model, torch.float32, device)  # fp32 master weights, always
+    start = resume_folder or args.model  # a resumed run starts from its checkpoint's weights
+    engine = create_vllm_engine(start, args, compute_dtype) if backend == "vllm" else None  # before the policy
+    model, tokenizer = load_model(start, torch.float32, device)  # fp32 master weights, always
     ref_model = None
     if args.beta > 0:  # frozen copy of the starting policy; never updated, so compute precision is enough
         ref_model = load_model(args.model, compute_dtype, device)[0].eval().requires_grad_(False)
     sampler = Sampler(backend, model, tokenizer, engine, compute_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     os.makedirs(args.output_dir, exist_ok=True)
-    metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "w")
+    metrics_file = open_metrics(args.output_dir, resume["step"] if resume else None)
 
-    before = evaluate(sampler, tokenizer, eval_problems, args)
+    if resume:  # the loop's state as it was after that step; the RNG last, so what follows is the same run
+        optimizer.load_state_dict(resume["optimizer"])
+        first_step, (before, last_eval, train_seconds) = resume["step"] + 1, resume["loop"]
+        set_rng_states(resume["rng"])
+    else:
+        before = evaluate(sampler, tokenizer, eval_problems, args)
+        first_step, last_eval, train_seconds = 1, before, 0.0
     print(f"before: pass@1 {before['pass@1']:.3f}  pass@{before['k']} {before['pass@k']:.3f}", file=sys.stderr)
-    last_eval, train_seconds = before, 0.0
     order = np.random.default_rng(args.seed).permutation(len(train_problems))
-    bar = tqdm(range(1, args.steps + 1), desc="grpo", dynamic_ncols=True)
+    bar = tqdm(range(first_step, args.steps + 1), desc="grpo", dynamic_ncols=True, initial=first_step - 1,
+               total=args.steps)
     for step in bar:
         t0 = time.time()
         picks = [train_problems[order[((step - 1) * args.prompts_per_step + j) % len(order)]]
@@ -679,8 +748,10 @@ def main(argv=None):
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}", pass1=f"{last_eval['pass@1']:.2f}")
-        if args.save_every and step % args.save_every == 0:
-            save_checkpoint(model, tokenizer, os.path.join(args.output_dir, f"step_{step}"), args.save_dtype)
+        if args.save_every and step % args.save_every == 0:  # fp32 + optimizer + RNG: what --resume needs
+            resume_state = {"step": step, "optimizer": optimizer.state_dict(), "rng": rng_states(),
+                            "loop": (before, last_eval, train_seconds), "args": vars(args)}
+            save_checkpoint(model, tokenizer, os.path.join(args.output_dir, f"step_{step}"), "float32", resume_state)
 
     after = evaluate(sampler, tokenizer, eval_problems, args)
     print(f"after:  pass@1 {after['pass@1']:.3f}  pass@{after['k']} {after['pass@k']:.3f}", file=sys.stderr)

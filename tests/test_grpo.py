@@ -396,3 +396,52 @@ def test_checkpoints_are_replaced_whole(tiny_model_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     reloaded = AutoModelForCausalLM.from_pretrained(folder)
     torch.testing.assert_close(reloaded.lm_head.weight, model.lm_head.weight)
+
+
+# ----------------------------------------------------------------------------- resume after a kill
+
+def without_timings(record):
+    return {k: v for k, v in record.items() if "seconds" not in k and k not in ("args", "peak_memory_gb")}
+
+
+def test_resume_after_sigkill_ends_as_the_uninterrupted_run(tiny_model_dir, tmp_path):
+    """Kill a real training process (SIGKILL, no clean exit) once it has saved step_2/, resume it, and
+    end with exactly the metrics and summary of a run that was never interrupted."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    flags = ["--steps", "4", "--save-every", "1"]
+    grpo.main(tiny_run(tiny_model_dir, tmp_path / "whole", *flags))
+    killed = tmp_path / "killed"
+    argv = tiny_run(tiny_model_dir, killed, *flags)
+    process = subprocess.Popen([sys.executable, str(Path(grpo.__file__)), *argv], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (killed / "step_2").exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (killed / "summary.json").exists(), "the run finished before it could be killed"
+    summary = grpo.main(["--resume", str(killed)])
+    expected = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert without_timings(summary) == without_timings(expected)
+    lines = [[without_timings(json.loads(line)) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+             for folder in (tmp_path / "whole", killed)]
+    assert [r["step"] for r in lines[1]] == [1, 2, 3, 4]  # no step twice, none missing
+    assert lines[0] == lines[1]
+
+
+def test_resume_without_a_checkpoint_is_a_one_line_error(tiny_model_dir, tmp_path):
+    grpo.main(tiny_run(tiny_model_dir, tmp_path, "--steps", "1"))  # no --save-every: only final/
+    with pytest.raises(SystemExit) as err:
+        grpo.main(["--resume", str(tmp_path)])
+    assert "no resumable checkpoint" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_resume_reports_flags_it_does_not_use(tiny_model_dir, tmp_path, capsys):
+    grpo.main(tiny_run(tiny_model_dir, tmp_path, "--steps", "2", "--save-every", "1"))
+    (tmp_path / "step_2").rename(tmp_path / "step_2.moved")  # as if killed after step 1
+    summary = grpo.main(["--resume", str(tmp_path), "--lr", "0.5"])
+    assert "ignored: --lr" in capsys.readouterr().err and summary["args"]["lr"] == 1e-3

@@ -322,3 +322,24 @@ def test_problem_entropy(tiny_model_dir):
         want.append(-(logp.exp() * logp).sum(-1).mean())
     assert got.shape == (2,)
     assert torch.allclose(got, torch.stack(want).view(2, 2).mean(dim=1), atol=1e-4)
+
+
+def test_resume_restores_the_bootstrap_generator(tiny_model_dir, tmp_path):
+    """--resume continues the bootstrap's own k-subset generator too: a run resumed after step 1 ends
+    with the metrics of the run that went straight through."""
+    def run(out, *extra):
+        return passk.main(["--model", tiny_model_dir, "--steps", "3", "--prompts-per-step", "2", "--group-size", "4",
+                           "--k", "2", "--micro-batch", "8", "--max-new-tokens", "6", "--eval-problems", "2",
+                           "--eval-samples", "2", "--eval-k", "2", "--passk-mode", "bootstrap", "--lr", "1e-3",
+                           "--save-every", "1", "--output-dir", str(out), *extra])
+    whole = run(tmp_path / "whole")
+    run(tmp_path / "cut")
+    for step in (2, 3):  # as if killed right after step 1 was saved
+        (tmp_path / "cut" / f"step_{step}").rename(tmp_path / f"gone_{step}")
+    resumed = passk.main(["--resume", str(tmp_path / "cut")])
+    drop = ("seconds", "peak_memory", "args")  # args: output_dir and resume differ, nothing else
+    assert {k: v for k, v in resumed.items() if not any(d in k for d in drop)} == \
+        {k: v for k, v in whole.items() if not any(d in k for d in drop)}
+    lines = [[{k: v for k, v in json.loads(line).items() if "seconds" not in k}
+              for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in ("whole", "cut")]
+    assert lines[0] == lines[1] and [r["step"] for r in lines[1]] == [1, 2, 3]
