@@ -125,6 +125,18 @@ def die(message):
     raise SystemExit(f"error: {message}")
 
 
+def run_cli(main):
+    """main() from the command line: running out of memory ends in a one-line error that says what to
+    lower, not in a traceback (torch.OutOfMemoryError on a GPU, a failed allocation on the CPU)."""
+    try:
+        main()
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
+        if not isinstance(err, (torch.OutOfMemoryError, MemoryError)) and "can't allocate memory" not in str(err):
+            raise
+        die(f"out of memory ({str(err).strip().splitlines()[0][:160]}): lower --micro-batch (or --group-size, "
+            f"--max-new-tokens), and with --backend vllm lower --gpu-memory-utilization to leave the policy more")
+
+
 def check_args(args):
     if args.group_size < 2:
         die(f"--group-size must be at least 2 (got {args.group_size}): a group needs something to compare")
@@ -770,4 +782,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -445,3 +445,37 @@ def test_resume_reports_flags_it_does_not_use(tiny_model_dir, tmp_path, capsys):
     (tmp_path / "step_2").rename(tmp_path / "step_2.moved")  # as if killed after step 1
     summary = grpo.main(["--resume", str(tmp_path), "--lr", "0.5"])
     assert "ignored: --lr" in capsys.readouterr().err and summary["args"]["lr"] == 1e-3
+
+
+def test_out_of_memory_is_a_one_line_error_with_a_hint():
+    """A real failed allocation (8 TB on this CPU), raised inside what run_cli runs."""
+    def greedy_main():
+        torch.empty(2**40, dtype=torch.float64)
+    with pytest.raises(SystemExit) as err:
+        grpo.run_cli(greedy_main)
+    text = str(err.value)
+    assert text.startswith("error: out of memory") and "--micro-batch" in text and "\n" not in text
+    with pytest.raises(ValueError):  # other errors are not disguised as memory errors
+        grpo.run_cli(lambda: int("x"))
+
+
+def test_hub_name_offline_is_a_one_line_error(tmp_path):
+    """A hub name with no network (HF_HUB_OFFLINE=1, as here): the process ends on one line that says so."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, str(Path(grpo.__file__)), "--model", "Qwen/Qwen2.5-0.5B-Instruct",
+                           "--output-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1 and last.startswith("error: cannot load model 'Qwen/Qwen2.5-0.5B-Instruct'")
+    assert "Traceback" not in done.stderr
+
+
+def test_missing_dataset_field_is_a_one_line_error(tiny_model_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "2"}\n{"problem": "2+2?", "answer": "4"}\n')
+    with pytest.raises(SystemExit) as err:
+        grpo.main(["--model", tiny_model_dir, "--dataset", str(data), "--output-dir", str(tmp_path)])
+    assert "line 2: missing field 'question'" in str(err.value) and "\n" not in str(err.value)
