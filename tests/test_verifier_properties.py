@@ -7,6 +7,7 @@ runs that many fresh random examples a property (a failure prints its input)."""
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import sys
 import time
@@ -193,6 +194,95 @@ def test_scientific_notation(m, e, f):
     for form in forms:
         assert is_equiv(form, exact)
         assert is_equiv(form, f"{m}e{f}") == (e == f)
+
+
+# Random expression trees, rendered to LaTeX and evaluated at points: whatever the
+# symbolic tier calls equal must have the same value at every point, else it has
+# invented an identity. Pairs: independent trees, a tree and itself with sums and
+# products commuted (equal), a tree and itself with one leaf changed (usually not).
+LEAVES = ["x", "y", "\\pi", "\\sin(x)", "\\cos(x)", "\\sqrt{2}", "\\sqrt{8}", "\\sqrt{3}",
+          "\\sqrt{12}", "0", "1", "2", "3", "7"]
+_VALUES = {"\\sin(x)": lambda v: math.sin(v["x"]), "\\cos(x)": lambda v: math.cos(v["x"]),
+           "x": lambda v: v["x"], "y": lambda v: v["y"], "\\pi": lambda v: v["pi"]}
+trees = st.recursive(
+    st.sampled_from(LEAVES),
+    lambda kids: st.tuples(st.sampled_from(["+", "-", "*", "/"]), kids, kids)
+    | st.tuples(st.just("^"), kids, st.integers(0, 3)),
+    max_leaves=6)
+
+
+def _render(t, flips=()):
+    """LaTeX for tree t; flips[i] swaps the operands of the i-th + or * met."""
+    flips = list(flips)
+
+    def go(t):
+        if isinstance(t, str):
+            return t
+        op, a, b = t
+        if op == "^":
+            return f"({go(a)})^{{{b}}}"
+        left, right = go(a), go(b)
+        if op in "+*" and flips and flips.pop():
+            left, right = right, left
+        return {"+": f"({left}+{right})", "-": f"({left}-{right})", "*": f"{left}\\cdot {right}",
+                "/": f"\\frac{{{left}}}{{{right}}}"}[op]
+    return go(t)
+
+
+def _evaluate(t, v):
+    if isinstance(t, str):
+        return _VALUES[t](v) if t in _VALUES else (
+            math.sqrt(int(t[6:-1])) if t.startswith("\\sqrt") else int(t))
+    op, a, b = t
+    if op == "^":
+        return _evaluate(a, v) ** b
+    x, y = _evaluate(a, v), _evaluate(b, v)
+    return {"+": x + y, "-": x - y, "*": x * y, "/": x / y if y else math.nan}[op]
+
+
+def _mutate(t, leaf, path):
+    if isinstance(t, str) or not path:
+        return leaf
+    op, a, b = t
+    if op == "^":
+        return (op, _mutate(a, leaf, path[1:]), b)
+    return (op, _mutate(a, leaf, path[1:]), b) if path[0] else (op, a, _mutate(b, leaf, path[1:]))
+
+
+tree_pairs = st.one_of(
+    st.tuples(trees, trees),
+    st.tuples(trees, st.lists(st.booleans(), max_size=8)).map(lambda p: (p[0], p[0], p[1])),
+    st.tuples(trees, st.sampled_from(LEAVES), st.lists(st.booleans(), max_size=6)).map(
+        lambda p: (p[0], _mutate(*p), ())))
+
+
+@FAST
+@given(tree_pairs)
+def test_symbolic_equal_means_equal_values(pair):
+    a, b, *flips = pair
+    a_tex, b_tex = _render(a), _render(b, *flips)
+    if not is_equiv(a_tex, b_tex):
+        return
+    for point in ({"x": 0.37, "y": -1.21, "pi": 2.9}, {"x": 1.93, "y": 0.58, "pi": -0.7}):
+        try:
+            va, vb = _evaluate(a, point), _evaluate(b, point)
+        except (ZeroDivisionError, OverflowError):
+            continue
+        if math.isfinite(va) and math.isfinite(vb):
+            assert math.isclose(va, vb, rel_tol=1e-7, abs_tol=1e-9), (a_tex, b_tex)
+
+
+@FAST
+@given(trees, st.lists(st.booleans(), max_size=8))
+def test_symbolic_rewritings_are_equal(t, flips):
+    a = _render(t)
+    if verifier._symbolic(verifier._clean(a)) is None or len(a) > 200:
+        return  # outside the tier (e.g. a division by zero) or near its length guard
+    # "+ z" (z appears nowhere else) keeps the value from being a rational constant,
+    # which is refused on purpose
+    assert is_equiv(f"{a}+z", f"z+{_render(t, flips)}")
+    assert is_equiv(f"{a}+z", f"z+\\frac{{2\\cdot {a}}}{{2}}")
+    assert not is_equiv(f"{a}+z", f"{a}+z+1")
 
 
 # ------------------------------------------------------------------ pass@k
