@@ -1,8 +1,9 @@
 """Answer checking for RLVR (reinforcement learning with verifiable rewards).
 
 The rule: a completion's final answer is the content of its last ``\\boxed{...}``
-(or ``\\fbox{...}``); if it has none, the last number in its text. The reward is
-1.0 when that answer is equivalent to the gold answer, else 0.0.
+(or ``\\fbox{...}``); if it has none, the last number in its text (3e5 and
+3 \\times 10^{5} are one number). The reward is 1.0 when that answer is equivalent
+to the gold answer, else 0.0.
 
 Equivalence is exact and deliberately conservative. Numbers are compared as exact
 rationals (0.5 == 1/2, 3e5 == 3\\times10^{5} == 300000, but 0.333 != 1/3);
@@ -65,6 +66,8 @@ _LAST_NUMBER_RE = re.compile(
     (?: \\[dtc]?frac(?:\{\d+\}|\d)(?:\{\d+\}|\d)  # \frac{3}{4}, \frac34
       | (?: \d{1,3}(?:(?:,|\{,\}|,\\!)\d{3})+     # 1,000 / 1{,}000 / 1,\!000
           | \d+ ) (?:\.\d+)? (?:/\d+)?            # 12, 1.5, 3/4
+          (?: [eE][+-]?\d+(?!\w|\.\d)             # 3e5, 1.5E-3
+            | \s*(?:\\times|\\cdot|×)\s*10\^(?:\{[+-]?\d+\}|\d) )?  # 3 \times 10^{5}
       | \.\d+ )                                   # .5
     (?!\d)""",
     re.VERBOSE,

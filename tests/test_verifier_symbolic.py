@@ -139,6 +139,23 @@ def test_symbolic_false(pred, gold):
     assert not is_equiv(gold, pred)
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("the answer is 3e5", "3e5"), ("it is 1.5E-3.", "1.5E-3"), ("so 3 \\times 10^{5} m", "3 \\times 10^{5}"),
+    ("we get 3 \\cdot 10^5", "3 \\cdot 10^5"), ("about 6 × 10^{-2}", "6 × 10^{-2}"),
+    ("H2e5 and 7", "7"), ("3e4f", "3"), ("x = 2e", "2"), ("2 \\times 10 = 20", "20"),
+])
+def test_extract_scientific_notation(text, expected):
+    assert verifier.extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("completion, gold, expected", [
+    ("so 3 \\times 10^{5} m", "300000", 1.0), ("the answer is 3e5", "3 \\cdot 10^{5}", 1.0),
+    ("the answer is 3e5", "30000", 0.0), ("we get 3 \\cdot 10^5", "5", 0.0),
+])
+def test_reward_scientific_notation(completion, gold, expected):
+    assert reward(completion, gold) == expected
+
+
 def test_symbolic_tier_can_be_switched_off(monkeypatch):
     monkeypatch.setattr(verifier, "SYMBOLIC", False)
     assert not is_equiv("\\sqrt{8}", "2\\sqrt{2}")
