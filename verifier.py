@@ -206,12 +206,12 @@ def _plain_number(t: str) -> Fraction | None:
     return -value if m.group(1) == "-" else value
 
 
-def _strip_units(t: str) -> str:
+def _strip_units(t: str, exponent: bool = True) -> str:
     """'5 apples' -> '5': drop trailing words (2+ letters, after a space);
     the last may carry an exponent: '5 cm^2' -> '5'."""
-    bare = _UNIT_EXP_RE.sub("", t)
-    if bare != t:
-        stripped = _strip_units(bare)
+    bare = _UNIT_EXP_RE.sub("", t) if exponent else t
+    if bare != t:  # the exponent goes only with the unit word it follows
+        stripped = _strip_units(bare, exponent=False)
         return stripped if stripped != bare else t
     i = len(t)
     while i and (t[i - 1] == " " or (t[i - 1].isascii() and t[i - 1].isalpha())):
@@ -417,7 +417,7 @@ def _same(a, b) -> bool:
 # this form is canonical: 2\sqrt{2}, \sqrt{8} and \frac{4}{\sqrt{2}} all become
 # {((), 2): 2}. Atoms (x, \pi, F_{n}, f(x), \sin(x), a nested root) are free
 # symbols, so an identity found here holds whatever value they stand for: the
-# tier can miss an equivalence (x/x, i^2, sin 2x), it cannot invent one. The one
+# tier can miss an equivalence (i^2, sin 2x, \sqrt{x}^2), it cannot invent one. The one
 # identity added is sin^2 + cos^2 = 1 (see _pythagoras). Two deliberate refusals
 # keep it from rewarding unfinished work, see _symbolic_leaves.
 
