@@ -1,21 +1,38 @@
 """Answer checking for RLVR (reinforcement learning with verifiable rewards).
 
 The rule: a completion's final answer is the content of its last ``\\boxed{...}``
-(or ``\\fbox{...}``); if it has none, the last number in its text. The reward is
-1.0 when that answer is equivalent to the gold answer, else 0.0.
+(or ``\\fbox{...}``); if it has none, the last number in its text (3e5 and
+3 \\times 10^{5} are one number). The reward is 1.0 when that answer is equivalent
+to the gold answer, else 0.0.
 
 Equivalence is exact and deliberately conservative. Numbers are compared as exact
-rationals (0.5 == 1/2, but 0.333 != 1/3); formatting noise is removed (LaTeX
-spacing, \\text{}, unit words, %, $, degrees, \\left/\\right, thousands
-separators); tuples, intervals, sets and lists are compared element by element;
-anything else is compared as a normalised string. An unusual but correct answer
-may be marked wrong; a wrong answer should never be marked right.
+rationals (0.5 == 1/2, 3e5 == 3\\times10^{5} == 300000, but 0.333 != 1/3);
+formatting noise is removed (LaTeX spacing, \\text{}, unit words also with an
+exponent as in 5\\text{ m}^2, %, $, degrees, \\left/\\right, thousands
+separators); tuples, intervals, sets and lists are compared element by element.
+An unusual but correct answer may be marked wrong; a wrong answer should never be
+marked right.
+
+Symbolic tier (SYMBOLIC = True; standard library only): anything else is read
+into an exact rational function over rationals and square roots, with each word
+(xy is one symbol, x y two), Greek letter, f(x), \\sin(x) or nested root a free
+symbol, and compared exactly: \\sqrt{8} == 2\\sqrt{2}, \\frac{1}{\\sqrt{2}} ==
+\\frac{\\sqrt{2}}{2}, (x+1)^2 == x^2+2x+1, \\sec^2(y) == \\tan^2(y)+1, y = 2x+1 == 2x-y+1 = 0
+(a relation may be scaled by a constant: positive for an inequality). A decimal
+with 12+ significant digits matches a value without a finite decimal expansion to
+within one unit in its last place (0.0833333333333333 == 1/12). It never calls
+arithmetic an answer: 2+3 != 5 and \\sqrt{4} != 2 (a rational must be written as a
+number), and in one unknown 2x = 10 != x = 5 (only 5 = x or x - 5 = 0). When it
+cannot read an answer it falls back to the string comparison. Equal is not
+simplified: where a task asks to simplify or factor, \\sqrt{8} or x^2+2x+1 copied
+from the question is rewarded, so set SYMBOLIC = False there.
 
 Also here: feedback(), pass_at_k() and load_problems() (a built-in synthetic
 arithmetic task, or JSONL files). Only the standard library is used.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import operator
@@ -49,6 +66,8 @@ _LAST_NUMBER_RE = re.compile(
     (?: \\[dtc]?frac(?:\{\d+\}|\d)(?:\{\d+\}|\d)  # \frac{3}{4}, \frac34
       | (?: \d{1,3}(?:(?:,|\{,\}|,\\!)\d{3})+     # 1,000 / 1{,}000 / 1,\!000
           | \d+ ) (?:\.\d+)? (?:/\d+)?            # 12, 1.5, 3/4
+          (?: [eE][+-]?\d+(?!\w|\.\d)             # 3e5, 1.5E-3
+            | \s*(?:\\times|\\cdot|×)\s*10\^(?:\{[+-]?\d+\}|\d) )?  # 3 \times 10^{5}
       | \.\d+ )                                   # .5
     (?!\d)""",
     re.VERBOSE,
@@ -98,9 +117,14 @@ def extract_answer(text) -> str | None:
 # -------------------------------------------------------------- normalisation
 
 _UNICODE = {"−": "-", "∞": "\\infty ", "°": "", "≤": "\\le ", "≥": "\\ge ",
-            "≠": "\\ne ", "·": "\\cdot ", "π": "\\pi ", "±": "\\pm ",
+            "≠": "\\ne ", "·": "\\cdot ", "×": "\\times ", "π": "\\pi ", "±": "\\pm ",
             "\u00a0": " "}
 _SPACING_RE = re.compile(r"\\\\|\\!\s*|\\[,:; ]|\\q?quad(?![A-Za-z])|~|\{,\}")
+# "5\\text{ m}^2", "5 \\mathrm{cm}^{3}": a unit with an exponent after a number
+# (not \\mathrm{i}^2 or e^2, which are numbers); unit words alone are dropped later.
+_UNIT_POWER_RE = re.compile(
+    r"(?<=[\d}])\s*\\(?:text|textrm|mathrm|mbox)\s*\{\s*(?![ie]\s*\})[A-Za-z]{1,5}\s*\}"
+    r"\s*\^\s*(?:\{\s*-?\d\s*\}|-?\d)[\s.]*$")
 _TEXT_RE = re.compile(
     r"\\(?:text(?:bf|it|rm|normal|tt|sf|up)?|math(?:rm|bf|it|sf|tt|bb|cal)|mbox"
     r"|operatorname|boldsymbol)\s*\{([^{}]*)\}")
@@ -138,6 +162,7 @@ def _clean(s: str) -> str:
         s = s.replace(old, new)
     s = re.sub(r"\s+", " ", s)  # single spaces keep every \s* below linear
     s = _SPACING_RE.sub(_spacing, s)
+    s = _UNIT_POWER_RE.sub("", s)
     for _ in range(5):  # \text{...} may be nested a few levels
         s, count = _TEXT_RE.subn(r" \1 ", s)
         if not count:
@@ -160,6 +185,10 @@ _NUM_RE = re.compile(r"([+-]?)(\d{1,3}(?:,\d{3})+|\d{1,3}(?: \d{3})+|\d*)(?:\.(\
 _RATIO_RES = [re.compile(r"\\frac\{([^{}]*)\}\{([^{}]*)\}"), re.compile(r"([\d.]+)/([+-]?[\d.]+)")]
 _MIXED_RE = re.compile(r"(\d+)\\frac\{(\d+)\}\{(\d+)\}")
 _POWER_RE = re.compile(r"(\d+)\^(?:\{(\d+)\}|(\d))")
+_SCI_RE = re.compile(  # 3e5, 3E+05, 3\times10^{5}, 3\cdot10^5, 3.0x10^5, 10^{-3}
+    r"(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d{1,9})"
+    r"|(?:(\d+(?:\.\d*)?|\.\d+)(?:\\times|\\cdot|\*|x))?10\^(?:\{([+-]?\d{1,9})\}|(\d))")
+_UNIT_EXP_RE = re.compile(r"(?<=[A-Za-z]{2}) ?\^ ?(?:\{ ?-?\d ?\}|-?\d)$")
 _NOT_UNITS = {"pi", "inf", "infty", "infinity", "sqrt", "sin", "cos", "tan", "cot",
               "sec", "csc", "log", "ln", "exp", "mod", "pmod", "and", "or", "times",
               "cdot", "is", "to", "i", "e"}
@@ -177,8 +206,13 @@ def _plain_number(t: str) -> Fraction | None:
     return -value if m.group(1) == "-" else value
 
 
-def _strip_units(t: str) -> str:
-    """'5 apples' -> '5': drop trailing words (2+ letters, after a space)."""
+def _strip_units(t: str, exponent: bool = True) -> str:
+    """'5 apples' -> '5': drop trailing words (2+ letters, after a space);
+    the last may carry an exponent: '5 cm^2' -> '5'."""
+    bare = _UNIT_EXP_RE.sub("", t) if exponent else t
+    if bare != t:  # the exponent goes only with the unit word it follows
+        stripped = _strip_units(bare, exponent=False)
+        return stripped if stripped != bare else t
     i = len(t)
     while i and (t[i - 1] == " " or (t[i - 1].isascii() and t[i - 1].isalpha())):
         i -= 1
@@ -209,6 +243,11 @@ def _number(s: str) -> Fraction | None:
         whole, num, den = (_plain_number(g) for g in m.groups())
         ok = whole is not None and num is not None and den and num < den
         return sign * (whole + num / den) if ok else None
+    if m := _SCI_RE.fullmatch(t):  # scientific notation: an exact number too
+        mantissa = _plain_number(m.group(1) or m.group(3) or "1")
+        exp = int(m.group(2) or m.group(4) or m.group(5))
+        if mantissa is not None and abs(exp) <= MAX_DIGITS:  # 1e1000000 stays a string
+            return sign * mantissa * Fraction(10) ** exp
     if m := _POWER_RE.fullmatch(t):  # 2^3 == 8, but 10^{1000000} stays a string
         exp = int((m.group(2) or m.group(3))[:9])
         if len(m.group(1)) <= MAX_DIGITS and len(m.group(1)) * exp <= MAX_DIGITS:
@@ -289,17 +328,17 @@ def _parse(s: str, depth: int = 0):
     if not s:
         return None
     if depth > MAX_DEPTH:
-        return ("str", _squash(s))
+        return ("str", _squash(s), None)
     value = _number(s)
     if value is not None:
-        return ("num", value)
+        return ("num", value, s)
     rel = _relation(s)
     if rel:
         lhs, op, rhs = rel
         if op == "\\approx":  # "x \approx 11" -> 11; "\frac{1}{3} \approx 0.33" -> 1/3
             return _parse(rhs if _is_name(lhs) else lhs, depth + 1)
         if _is_name(lhs):  # "x = 5" and "5" are the same answer
-            return ("eq", _squash(lhs), _parse(rhs, depth + 1))
+            return ("eq", _squash(lhs), _parse(rhs, depth + 1), s)
     for tag, sep in (("union", "\\cup"), ("list", ",")):
         parts = _split_top(s, sep)
         if len(parts) > 1:
@@ -307,7 +346,7 @@ def _parse(s: str, depth: int = 0):
     if s.startswith("\\pm") and not s[3:4].isalpha():
         value = _number(s[3:])
         if value is not None:  # "\pm 2" is the set {-2, 2}, never just 2
-            return ("list", [("num", -value), ("num", value)])
+            return ("list", [("num", -value, None), ("num", value, None)])
     wrapped = _enclosed(s)
     if wrapped:
         opening, body, closing = wrapped
@@ -328,7 +367,7 @@ def _parse(s: str, depth: int = 0):
     if m:
         rows = [r for r in m.group(1).split("\\\\") if r]
         return ("matrix", [[_parse(c, depth + 1) for c in r.split("&")] for r in rows])
-    return ("str", _canonical(t))
+    return ("str", _canonical(t), s)
 
 
 def _canonical(t: str) -> str:
@@ -346,12 +385,14 @@ def _same(a, b) -> bool:
         return False
     if a[0] == "eq" or b[0] == "eq":
         if a[0] == b[0]:  # both name a variable: the names must agree too
-            return a[1] == b[1] and _same(a[2], b[2])
-        return _same(a[2], b) if a[0] == "eq" else _same(a, b[2])
+            same = a[1] == b[1] and _same(a[2], b[2])
+        else:
+            same = _same(a[2], b) if a[0] == "eq" else _same(a, b[2])
+        return same or _symbolic_same(a, b)  # y = 2x is the line 2x - y = 0
     if a[0] != b[0]:
-        return False
+        return {a[0], b[0]} == {"num", "str"} and _symbolic_same(a, b)
     if a[0] in ("num", "str"):
-        return a[1] == b[1]
+        return a[1] == b[1] or _symbolic_same(a, b)
     if a[0] == "seq":
         return a[1] == b[1] and len(a[2]) == len(b[2]) and all(map(_same, a[2], b[2]))
     if a[0] == "matrix":
@@ -363,6 +404,499 @@ def _same(a, b) -> bool:
         return False
     return all(any(_same(x, y) for y in ys) for x in xs) and all(
         any(_same(x, y) for x in xs) for y in ys)
+
+
+# ------------------------------------------------------------- symbolic tier
+#
+# An answer that is not a plain number is read into an exact rational function:
+# numerator and denominator are polynomials whose terms are
+#     coefficient (a Fraction) * sqrt(radicand) * monomial,
+# stored as {(monomial, radicand): coefficient}, the radicand a square-free
+# integer and the monomial a sorted tuple of (atom, exponent). Square roots of
+# distinct square-free integers are linearly independent over the rationals, so
+# this form is canonical: 2\sqrt{2}, \sqrt{8} and \frac{4}{\sqrt{2}} all become
+# {((), 2): 2}. Atoms (x, \pi, F_{n}, f(x), \sin(x), a nested root) are free
+# symbols, so an identity found here holds whatever value they stand for: the
+# tier can miss an equivalence (i^2, sin 2x, \sqrt{x}^2), it cannot invent one. The one
+# identity added is sin^2 + cos^2 = 1 (see _pythagoras). Two deliberate refusals
+# keep it from rewarding unfinished work, see _symbolic_leaves.
+
+SYMBOLIC = True  # False: only the exact number/structure rules above
+MAX_SYMBOLIC_CHARS = 300  # longer answers are not read symbolically
+MAX_TERMS = 100  # terms in one polynomial (so (a+b+c)^32 is refused)
+MAX_POWER = 32  # largest integer exponent that is expanded
+MAX_RADICAND = 10**12  # \sqrt{n} is simplified by trial division up to n^(1/3)
+MAX_BITS = 4_000  # size of a coefficient's numerator or denominator
+MAX_WORK = 100_000  # term products per answer, and per comparison
+APPROX_DIGITS = 12  # a decimal this precise may stand for an irrational value
+
+_GREEK = frozenset(
+    "alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu "
+    "nu xi pi rho sigma tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Pi "
+    "Sigma Phi Psi Omega".split())
+_FUNCTIONS = frozenset(
+    "sin cos tan sec csc cot arcsin arccos arctan sinh cosh tanh log ln lg exp".split())
+_SYM_TOKEN_RE = re.compile(
+    r"\s*(?:(\d+(?:\.\d*)?|\.\d+)"  # number
+    r"|\\([A-Za-z]+)"  # command
+    r"|([A-Za-z]+(?:_(?:\{[^{}]*\}|[A-Za-z0-9]))?)"  # word, with a subscript: F_{n-1}
+    r"|(<=|>=|[-+*/^(){}\[\]=<>_]))")  # operator
+_DECIMAL_RE = re.compile(r"[+-]?\d*\.\d+")
+_ONE = ((), 1)  # the key of the constant term
+_POLY_ONE = {_ONE: Fraction(1)}  # the polynomial 1 (never modified in place)
+
+
+class _Unsupported(Exception):
+    """Raised inside the symbolic reader: the answer stays outside the tier."""
+
+
+def _check(p: dict) -> dict:
+    if len(p) > MAX_TERMS:
+        raise _Unsupported("too many terms")
+    for (_, rad), c in p.items():
+        if (c.numerator.bit_length() > MAX_BITS or c.denominator.bit_length() > MAX_BITS
+                or rad.bit_length() > 256):
+            raise _Unsupported("coefficient too large")
+    return p
+
+
+def _const(q) -> dict:
+    return {_ONE: Fraction(q)} if q else {}
+
+
+def _scale(p: dict, q: Fraction) -> dict:
+    return _check({k: c * q for k, c in p.items()}) if q else {}
+
+
+def _add(p: dict, q: dict, sign: int = 1) -> dict:
+    out = dict(p)
+    for k, c in q.items():
+        c = out.get(k, 0) + sign * c
+        if c:
+            out[k] = c
+        else:
+            out.pop(k, None)
+    return _check(out)
+
+
+def _mul(p: dict, q: dict, work: list) -> dict:
+    work[0] += len(p) * len(q)
+    if work[0] > MAX_WORK:
+        raise _Unsupported("too much work")
+    out = {}
+    for (m1, r1), c1 in p.items():
+        for (m2, r2), c2 in q.items():
+            # sqrt(r1)*sqrt(r2) = g*sqrt(r1*r2/g^2): square-free again, no factoring
+            g = math.gcd(r1, r2)
+            mono = dict(m1)
+            for atom, e in m2:
+                mono[atom] = mono.get(atom, 0) + e
+            key = (tuple(sorted(mono.items())), (r1 // g) * (r2 // g))
+            c = out.get(key, 0) + c1 * c2 * g
+            if c:
+                out[key] = c
+            else:
+                out.pop(key, None)
+    return _check(_pythagoras(out))
+
+
+def _pythagoras(p: dict) -> dict:
+    """Rewrite sin(u)^2 as 1 - cos(u)^2 until every sine has exponent 0 or 1: the
+    unique form of p modulo sin^2 + cos^2 = 1, so sec^2 and tan^2 + 1 agree."""
+    if not any(e > 1 and a.startswith("\\sin(") for (mono, _) in p for a, e in mono):
+        return p
+    out, todo = {}, list(p.items())
+    while todo:
+        (mono, rad), c = todo.pop()
+        powers = dict(mono)
+        sine = next((a for a, e in mono if e > 1 and a.startswith("\\sin(")), None)
+        if sine is None:
+            out = _add(out, {(mono, rad): c})
+            continue
+        powers[sine] -= 2
+        cosine = "\\cos(" + sine[len("\\sin("):]
+        rest = tuple(sorted((a, e) for a, e in powers.items() if e))
+        powers[cosine] = powers.get(cosine, 0) + 2
+        todo += [((rest, rad), c), ((tuple(sorted((a, e) for a, e in powers.items() if e)), rad), -c)]
+        if len(todo) > MAX_TERMS:
+            raise _Unsupported("too many terms")
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _square_free(n: int) -> tuple[int, int]:
+    """(a, b) with n == a*a*b and b square-free; n <= MAX_RADICAND."""
+    if n > MAX_RADICAND:
+        raise _Unsupported("radicand too large")
+    outside, inside, p = 1, 1, 2
+    while p * p * p <= n:  # every prime up to the cube root ...
+        if n % p == 0:
+            e = 0
+            while n % p == 0:
+                n, e = n // p, e + 1
+            outside, inside = outside * p ** (e // 2), inside * p ** (e % 2)
+        p += 1 if p == 2 else 2
+    # ... leaves 1, q, q*r or q*q, with q and r primes above it
+    root = math.isqrt(n)
+    return (outside * root, inside) if root * root == n else (outside, inside * n)
+
+
+def _rat(v):
+    """The value as a Fraction when it is a rational constant, else None."""
+    num, den = v
+    if not num:
+        return Fraction(0)
+    k = next(iter(den))
+    if k not in num:
+        return None
+    c = num[k] / den[k]
+    return c if num == _scale(den, c) else None
+
+
+def _is_const(v) -> bool:
+    return all(mono == () for p in v for mono, _ in p)
+
+
+def _key(v) -> str:
+    """A fixed spelling of a value, used to name atoms such as \\sqrt{x+1}."""
+    num, den = v
+    q = _rat((den, _POLY_ONE))  # a rational denominator is folded in
+    if q is not None:
+        num, den = _scale(num, 1 / q), _POLY_ONE
+    return repr((sorted(num.items()), sorted(den.items())))
+
+
+class _Reader:
+    """Recursive descent over one cleaned answer: relation, sum, product, power."""
+
+    def __init__(self, text: str):
+        self.toks, i, text = [], 0, text.strip()
+        while i < len(text):
+            m = _SYM_TOKEN_RE.match(text, i)
+            if not m or m.end() == i:
+                raise _Unsupported(f"unexpected {text[i:i + 10]!r}")
+            kind = ("num", "cmd", "word", "op")[m.lastindex - 1]
+            self.toks.append((kind, m.group(m.lastindex)))
+            i = m.end()
+        self.i, self.depth, self.work = 0, 0, [0]
+
+    def peek(self):
+        return self.toks[self.i] if self.i < len(self.toks) else (None, None)
+
+    def take(self, kind=None, value=None):
+        tok = self.peek()
+        if tok[0] is None or kind not in (None, tok[0]) or value not in (None, tok[1]):
+            raise _Unsupported(f"expected {value or kind}, got {tok[1]!r}")
+        self.i += 1
+        return tok
+
+    def accept(self, value) -> bool:
+        if self.peek() == ("op", value):
+            self.i += 1
+            return True
+        return False
+
+    def sign(self) -> int:
+        if self.accept("-"):
+            return -1
+        self.accept("+")
+        return 1
+
+    # values are (numerator, denominator) pairs of polynomials
+    def add(self, a, b, sign=1):
+        if a[1] == b[1]:
+            return _add(a[0], b[0], sign), a[1]
+        return (_add(_mul(a[0], b[1], self.work), _mul(b[0], a[1], self.work), sign),
+                _mul(a[1], b[1], self.work))
+
+    def mul(self, a, b):
+        return _mul(a[0], b[0], self.work), _mul(a[1], b[1], self.work)
+
+    def div(self, a, b):
+        if not b[0]:
+            raise _Unsupported("division by zero")
+        return _mul(a[0], b[1], self.work), _mul(a[1], b[0], self.work)
+
+    def power(self, v, k: int):
+        if k < 0:
+            v, k = self.div((_POLY_ONE, _POLY_ONE), v), -k
+        if k > MAX_POWER or (k == 0 and not v[0]):
+            raise _Unsupported("exponent")
+        out = (_POLY_ONE, _POLY_ONE)
+        while k:  # square and multiply
+            if k & 1:
+                out = self.mul(out, v)
+            k >>= 1
+            if k:
+                v = self.mul(v, v)
+        return out
+
+    def relation(self):
+        lhs, op, rhs = self.sum(), None, None
+        kind, val = self.peek()
+        if kind == "op" and val in ("=", "<", ">", "<=", ">="):
+            self.i += 1
+            op, rhs = val, self.sum()
+        if self.peek()[0] is not None:
+            raise _Unsupported(f"trailing {self.peek()[1]!r}")
+        return op, lhs, rhs
+
+    def sum(self):
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise _Unsupported("too deep")
+        sign = self.sign()
+        value = self.product()
+        if sign == -1:
+            value = (_scale(value[0], Fraction(-1)), value[1])
+        while self.peek() in (("op", "+"), ("op", "-")):
+            sign = 1 if self.take()[1] == "+" else -1
+            value = self.add(value, self.product(), sign)
+        self.depth -= 1
+        return value
+
+    def starts_factor(self) -> bool:
+        kind, val = self.peek()
+        return kind in ("num", "word") or (kind == "cmd" and val not in ("cdot", "times")) or (
+            kind == "op" and val in "({")
+
+    def product(self):
+        value = self.factor()
+        while True:
+            tok = self.peek()
+            if tok in (("op", "*"), ("cmd", "cdot"), ("cmd", "times")):
+                self.i += 1
+                value = self.mul(value, self.factor())
+            elif tok == ("op", "/"):
+                self.i += 1
+                value = self.div(value, self.atom_power())
+                if self.starts_factor():
+                    raise _Unsupported("1/2x is ambiguous")
+            elif self.starts_factor():
+                if tok[0] == "num":
+                    raise _Unsupported("x2, 2 3: a number after a factor is no product")
+                if tok == ("cmd", "frac") and self.toks[self.i - 1][0] == "num":
+                    raise _Unsupported("3\\frac{1}{2} is a mixed number, not a product")
+                value = self.mul(value, self.factor())
+            else:
+                return value
+
+    def factor(self):
+        if self.accept("-"):
+            value = self.factor()
+            return _scale(value[0], Fraction(-1)), value[1]
+        self.accept("+")
+        return self.atom_power()
+
+    def atom_power(self):
+        value = self.primary()
+        if self.accept("^"):
+            value = self.power(value, self.exponent())
+        return value
+
+    def exponent(self) -> int:
+        if self.accept("{"):
+            sign = self.sign()
+            digits = self.take("num")[1]
+            self.take("op", "}")
+        else:  # x^23 is x^2 * 3 in LaTeX: only one digit binds
+            sign, digits = 1, self.take("num")[1]
+            if len(digits) != 1:
+                raise _Unsupported("x^23 is ambiguous")
+        if not digits.isdigit() or len(digits) > 3:
+            raise _Unsupported("non-integer exponent")
+        return sign * int(digits)
+
+    def braced(self):
+        self.take("op", "{")
+        value = self.sum()
+        self.take("op", "}")
+        return value
+
+    def raw(self) -> str:
+        """A group's tokens as written, e.g. the bounds of a sum."""
+        if not self.accept("{"):
+            return self.take()[1]
+        out, depth = [], 1
+        while depth:
+            kind, val = self.take()
+            if kind == "op" and val in "{}":
+                depth += 1 if val == "{" else -1
+            out.append(val)
+        return "{" + " ".join(out)
+
+    def atom(self, name: str):
+        return {(((name, 1),), 1): Fraction(1)}, _POLY_ONE
+
+    def primary(self):
+        kind, val = self.take()
+        if kind == "num":
+            if len(val) > MAX_DIGITS:
+                raise _Unsupported("number too long")
+            return _const(Fraction(val)), _POLY_ONE
+        if kind == "word":
+            if self.peek() == ("op", "("):  # f(x) is a function, never f*x
+                self.i += 1
+                arg = self.sum()
+                self.take("op", ")")
+                return self.atom(f"{val}({_key(arg)})")
+            return self.atom(val)
+        if kind == "op" and val in "({":
+            value = self.sum()
+            self.take("op", ")" if val == "(" else "}")
+            return value
+        if kind == "cmd" and val == "sqrt":
+            if self.accept("["):
+                if self.take("num")[1] != "2":
+                    raise _Unsupported("only square roots")
+                self.take("op", "]")
+            return self.sqrt(self.braced())
+        if kind == "cmd" and val == "frac":
+            return self.div(self.braced(), self.braced())
+        if kind == "cmd" and val in _GREEK:
+            return self.atom("\\" + val)
+        if kind == "cmd" and val in ("sum", "prod"):  # the bounds name it, the body follows
+            bounds = "".join(op + self.raw() for op in "_^" if self.accept(op))
+            return self.atom(f"\\{val}{bounds}({_key(self.product())})")
+        if kind == "cmd" and val in _FUNCTIONS:
+            k = self.exponent() if self.accept("^") else 1
+            if self.peek() not in (("op", "("), ("op", "{")) or k < 1:
+                raise _Unsupported("a function needs a bracketed argument")
+            close = ")" if self.take()[1] == "(" else "}"
+            arg = _key(self.sum())
+            self.take("op", close)
+            sin, cos = self.atom(f"\\sin({arg})"), self.atom(f"\\cos({arg})")
+            value = {"sec": (_POLY_ONE, cos[0]), "csc": (_POLY_ONE, sin[0]), "tan": (sin[0], cos[0]),
+                     "cot": (cos[0], sin[0])}.get(val) or self.atom(f"\\{val}({arg})")
+            return self.power(value, k)
+        raise _Unsupported(f"unknown {val!r}")
+
+    def sqrt(self, v):
+        q = _rat(v)
+        if q is None:  # \sqrt{x+1}, \sqrt{\sqrt{2}+1}: an atom named by its content
+            return self.atom(f"\\sqrt{{{_key(v)}}}")
+        if q < 0:
+            raise _Unsupported("square root of a negative number")
+        # sqrt(p/q) = sqrt(p*q)/q, and sqrt(p*q) = a*sqrt(b) with b square-free
+        outside, inside = _square_free(q.numerator * q.denominator)
+        return {((), inside): Fraction(outside, q.denominator)} if q else {}, _POLY_ONE
+
+
+@functools.lru_cache(maxsize=4096)
+def _symbolic(text: str):
+    """("expr", value) or ("rel", op, D) with D < 0, D <= 0 or D = 0; None when
+    the answer is outside the tier (see _Reader)."""
+    if not text or len(text) > MAX_SYMBOLIC_CHARS:
+        return None
+    try:
+        reader = _Reader(text)
+        op, lhs, rhs = reader.relation()
+        if op is None:
+            return ("expr", lhs)
+        if op in (">", ">="):  # a > b is b < a
+            op, lhs, rhs = "<" + op[1:], rhs, lhs
+        num, den = reader.add(lhs, rhs, -1)
+        q = _rat((den, _POLY_ONE))
+        if q is None:  # x/y = 1 is not y-x = 0 where y = 0: keep denominators constant
+            return None
+        return ("rel", op, _scale(num, 1 / q))
+    except (_Unsupported, ValueError, ZeroDivisionError, RecursionError):
+        return None
+
+
+def _atoms(p: dict) -> set:
+    return {atom for mono, _ in p for atom, _ in mono}
+
+
+def _approx(p: dict, digits: int = 60) -> Fraction:
+    """A constant polynomial's value to about `digits` decimals."""
+    scale = 10 ** digits
+    return sum((c * Fraction(math.isqrt(r * scale * scale), scale) for (_, r), c in p.items()),
+               Fraction(0))
+
+
+def _terminates(q: Fraction) -> bool:
+    """Whether q has a finite decimal expansion (its denominator is 2^i 5^j)."""
+    den = q.denominator
+    for p in (2, 5):
+        while den % p == 0:
+            den //= p
+    return den == 1
+
+
+def _approx_same(a, b) -> bool:
+    """A long decimal (a) against an exact value without a finite decimal expansion
+    (b: 1/12, \\sqrt{17}): equal to within one unit in the decimal's last place, as
+    a printed float is (0.0833333333333333 for 1/12). 0.125000000001 is never 1/8."""
+    if a[0] != "num" or b[0] not in ("num", "str") or not (a[2] and b[2]):
+        return False
+    text = _squash(a[2])
+    if not _DECIMAL_RE.fullmatch(text) or _DECIMAL_RE.fullmatch(_squash(b[2])):
+        return False
+    if len(re.sub(r"\D", "", text).lstrip("0")) < APPROX_DIGITS:
+        return False  # 0.333 is not 1/3
+    if b[0] == "num":
+        value = b[1]
+    else:
+        sym = _symbolic(b[2])
+        if not sym or sym[0] != "expr" or not _is_const(sym[1]):
+            return False
+        value = _rat(sym[1])
+    if value is not None and _terminates(value):
+        return False
+    if value is None:  # irrational: to 60 decimals, far below the tolerance
+        den = _approx(sym[1][1])
+        if abs(den) < Fraction(1, 10**20):
+            return False
+        value = _approx(sym[1][0]) / den
+    return abs(a[1] - value) <= Fraction(1, 10 ** len(text.split(".")[1]))
+
+
+def _proportional(p: dict, q: dict):
+    """c with p == c*q (a rational), or None."""
+    if not p or not q:
+        return None
+    k = next(iter(q))
+    c = p.get(k, 0) / q[k]
+    return c if c and p == _scale(q, c) else None
+
+
+def _symbolic_same(a, b) -> bool:
+    """Leaves a and b (num, str or eq) that the exact rules found different."""
+    if not SYMBOLIC or a[0] not in ("num", "str", "eq") or b[0] not in ("num", "str", "eq"):
+        return False
+    if a[0] == b[0] == "eq" and a[1] == b[1]:
+        return False  # x = 5 vs x = \sqrt{25}: the right-hand sides were compared
+    try:
+        return _symbolic_leaves(a, b)
+    except _Unsupported:  # a guard tripped while comparing: not shown equal
+        return False
+
+
+def _symbolic_leaves(a, b) -> bool:
+    if _approx_same(a, b) or _approx_same(b, a):
+        return True
+    if "num" in (a[0], b[0]) or not (a[-1] and b[-1]):
+        return False  # a plain number is only ever equal to an exact number
+    x, y = _symbolic(a[-1]), _symbolic(b[-1])
+    if not x or not y or x[0] != y[0]:
+        return False
+    if x[0] == "expr":
+        (n1, d1), (n2, d2), work = x[1], y[1], [0]
+        same = n1 == n2 if d1 == d2 else _mul(n1, d2, work) == _mul(n2, d1, work)
+        # Refusal 1: a rational value written as arithmetic (2+3, \sqrt{4}, 2\cdot 3)
+        # is not the number 5 or 2 or 6: "What is 2+3?" must not be answered "2+3".
+        return same and _rat(x[1]) is None
+    # Relations: D1 = c*D2 with c > 0 (c != 0 for an equation: both sides may swap).
+    (op1, p1), (op2, p2) = x[1:], y[1:]
+    c = _proportional(p1, p2)
+    if op1 != op2 or c is None or not _atoms(p1):
+        return False
+    if len(_atoms(p1) | _atoms(p2)) == 1:
+        # Refusal 2: in one unknown, 2x = 10 is the question and x = 5 its answer,
+        # so only a rewriting that keeps the scale counts (5 = x, -x > -1 for x < 1).
+        return c == 1 or (op1 == "=" and c == -1)
+    return c > 0 or op1 == "="
 
 
 def _unbox(s: str) -> str:
