@@ -811,9 +811,9 @@ def find_resume_state(args, argv):
     return folder, state
 
 
-def open_metrics(output_dir, resumed_step=None):
-    """metrics.jsonl for writing; when resuming, cut back to the checkpoint's step so no step appears twice."""
-    path = os.path.join(output_dir, "metrics.jsonl")
+def open_log(path, resumed_step=None):
+    """A JSONL log of steps (metrics.jsonl) for writing; when resuming, cut back to the checkpoint's step
+    (lines whose "step" is later are dropped), so no step appears twice."""
     if resumed_step is None:
         return open(path, "w")
     with open(path) as f:
@@ -864,7 +864,7 @@ def main(argv=None):
     sampler = Sampler(backend, model, tokenizer, engine, compute_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     os.makedirs(args.output_dir, exist_ok=True)
-    metrics_file = open_metrics(args.output_dir, resume["step"] if resume else None)
+    metrics_file = open_log(os.path.join(args.output_dir, "metrics.jsonl"), resume["step"] if resume else None)
 
     generator = torch.Generator().manual_seed(args.seed)  # bootstrap's k-subsets
     if resume:  # the loop's state as it was after that step; the RNG last, so what follows is the same run

@@ -11,7 +11,7 @@ SHARED = [  # top-level functions, classes and constants that must not drift
     "CPU_AUTO_DTYPE", "add_common_args", "die", "run_cli", "check_args", "seed_everything", "resolve_compute_dtype", "autocast",
     "DEFAULT_MODELS", "resolve_model_path", "load_model", "encode_prompt", "left_pad", "right_pad", "cut_at_eos",
     "choose_backend", "create_vllm_engine", "Sampler", "build_batch", "token_logprobs", "policy_loss", "aggregate_loss", "trim_columns", "train_step",
-    "evaluate", "save_checkpoint", "rng_states", "set_rng_states", "find_resume_state", "open_metrics", "load_data",
+    "evaluate", "save_checkpoint", "rng_states", "set_rng_states", "find_resume_state", "open_log", "load_data",
 ]
 
 
