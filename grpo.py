@@ -220,6 +220,8 @@ def load_model(name, dtype, device):
     """Policy (or reference) model and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = resolve_model_path(name)
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        die(f"cannot load model '{name}': no such folder (a hub name looks like 'org/model')")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
