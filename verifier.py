@@ -31,6 +31,9 @@ ARITH_MAX = 20
 ARITH_OPS = ("+",)
 ARITH_TEMPLATE = "What is {a} {op} {b}? Answer with just the number."
 ARITH_TEST_PERCENT = 20  # share of operand pairs held out for the test split
+# "arith3": three operands and a prompt that asks for a short working before the number, so a
+# completion has a middle (w2spo.py branches inside it). Same hash split as "arith".
+ARITH3_TEMPLATE = "What is {a} + {b} + {c}? Add them step by step, then give the final number."
 
 # Guards that keep every check fast on adversarial input.
 MAX_ANSWER_CHARS = 10_000  # longer answers are only compared as plain strings
@@ -442,6 +445,9 @@ def load_problems(spec, split="train", n=None, seed=0, *,
                   question_field="question", answer_field="answer") -> list[dict]:
     """Problems as [{"question": str, "answer": str}].
 
+    spec "arith3" (or "arith3:MIN-MAX"): a + b + c with ARITH3_TEMPLATE, split the
+    same way by the sorted operand triple (a reordering of a test question is test).
+
     spec "arith" (or "arith:MIN-MAX"): the synthetic arithmetic task. Operand
     pairs are assigned to train or test by a fixed hash, so the splits are
     disjoint for every seed; `seed` only shuffles. n=None returns the whole
@@ -460,10 +466,14 @@ def load_problems(spec, split="train", n=None, seed=0, *,
     if m:
         low, high = (int(m.group(1)), int(m.group(2))) if m.group(1) else (ARITH_MIN, ARITH_MAX)
         return _arith_problems(low, high, split, n, seed)
+    m = re.fullmatch(r"arith3(?::(\d+)-(\d+))?", spec.strip())
+    if m:
+        low, high = (int(m.group(1)), int(m.group(2))) if m.group(1) else (ARITH_MIN, ARITH_MAX)
+        return _arith3_problems(low, high, split, n, seed)
     if spec.endswith(".jsonl") or os.path.isfile(spec):
         return _jsonl_problems(spec, n, question_field, answer_field)
-    raise ValueError(f"unknown problem spec {spec!r}: expected 'arith', 'arith:MIN-MAX' "
-                     "or the path of a JSONL file")
+    raise ValueError(f"unknown problem spec {spec!r}: expected 'arith', 'arith:MIN-MAX', "
+                     "'arith3', 'arith3:MIN-MAX' or the path of a JSONL file")
 
 
 def _arith_problems(low, high, split, n, seed):
@@ -496,6 +506,28 @@ def _arith_problems(low, high, split, n, seed):
         rng.shuffle(problems)
         out.extend(dict(p) for p in problems)
     return out[:n]
+
+
+def _arith3_problems(low, high, split, n, seed):
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if low > high:
+        raise ValueError(f"arith3 operand range is empty: {low}-{high}")
+    problems = []
+    for a in range(low, high + 1):
+        for b in range(low, high + 1):
+            for c in range(low, high + 1):
+                key = ",".join(map(str, sorted((a, b, c))))  # every order of a triple: one split
+                test = zlib.crc32(f"{key},+3".encode()) % 100 < ARITH_TEST_PERCENT
+                if test == (split == "test"):
+                    problems.append({"question": ARITH3_TEMPLATE.format(a=a, b=b, c=c), "answer": str(a + b + c)})
+    if not problems:
+        raise ValueError(f"arith3 {low}-{high} {split} split contains no problems; widen the range")
+    rng = random.Random(seed)
+    rng.shuffle(problems)
+    if n is None or n <= len(problems) or split == "test":
+        return problems[:n]
+    return [dict(problems[i % len(problems)]) for i in range(n)]  # train: repeat the split
 
 
 def _jsonl_problems(path, n, question_field, answer_field):
