@@ -31,9 +31,10 @@ ARITH_MAX = 20
 ARITH_OPS = ("+",)
 ARITH_TEMPLATE = "What is {a} {op} {b}? Answer with just the number."
 ARITH_TEST_PERCENT = 20  # share of operand pairs held out for the test split
-# "arith3": three operands and a prompt that asks for a short working before the number, so a
-# completion has a middle (w2spo.py branches inside it). Same hash split as "arith".
-ARITH3_TEMPLATE = "What is {a} + {b} + {c}? Add them step by step, then give the final number."
+# "arith-steps": the same problems and split, with a prompt that makes a small model write a short
+# working before the number (SmolLM2-135M-Instruct: ~50 tokens, ~15% correct), so that a completion
+# has a middle (w2spo.py branches inside it).
+ARITH_STEPS_TEMPLATE = "What is {a} {op} {b}? Add them step by step, then give the final number."
 
 # Guards that keep every check fast on adversarial input.
 MAX_ANSWER_CHARS = 10_000  # longer answers are only compared as plain strings
@@ -445,13 +446,12 @@ def load_problems(spec, split="train", n=None, seed=0, *,
                   question_field="question", answer_field="answer") -> list[dict]:
     """Problems as [{"question": str, "answer": str}].
 
-    spec "arith3" (or "arith3:MIN-MAX"): a + b + c with ARITH3_TEMPLATE, split the
-    same way by the sorted operand triple (a reordering of a test question is test).
-
     spec "arith" (or "arith:MIN-MAX"): the synthetic arithmetic task. Operand
     pairs are assigned to train or test by a fixed hash, so the splits are
     disjoint for every seed; `seed` only shuffles. n=None returns the whole
     split; a larger n repeats the train split, and is capped for test.
+    "arith-steps" (or "arith-steps:MIN-MAX"): the same problems and split,
+    worded with ARITH_STEPS_TEMPLATE (asks for brief steps, then the number).
 
     spec a path to a JSONL file: one {"question": ..., "answer": ...} object a
     line (field names configurable). GSM8K answers "... #### 1,234" become
@@ -462,21 +462,17 @@ def load_problems(spec, split="train", n=None, seed=0, *,
     spec = os.fspath(spec) if isinstance(spec, os.PathLike) else spec
     if not isinstance(spec, str):
         raise ValueError(f"problem spec must be a string, got {type(spec).__name__}")
-    m = re.fullmatch(r"arith(?::(\d+)-(\d+))?", spec.strip())
+    m = re.fullmatch(r"arith(-steps)?(?::(\d+)-(\d+))?", spec.strip())
     if m:
-        low, high = (int(m.group(1)), int(m.group(2))) if m.group(1) else (ARITH_MIN, ARITH_MAX)
-        return _arith_problems(low, high, split, n, seed)
-    m = re.fullmatch(r"arith3(?::(\d+)-(\d+))?", spec.strip())
-    if m:
-        low, high = (int(m.group(1)), int(m.group(2))) if m.group(1) else (ARITH_MIN, ARITH_MAX)
-        return _arith3_problems(low, high, split, n, seed)
+        low, high = (int(m.group(2)), int(m.group(3))) if m.group(2) else (ARITH_MIN, ARITH_MAX)
+        return _arith_problems(low, high, split, n, seed, ARITH_STEPS_TEMPLATE if m.group(1) else None)
     if spec.endswith(".jsonl") or os.path.isfile(spec):
         return _jsonl_problems(spec, n, question_field, answer_field)
     raise ValueError(f"unknown problem spec {spec!r}: expected 'arith', 'arith:MIN-MAX', "
-                     "'arith3', 'arith3:MIN-MAX' or the path of a JSONL file")
+                     "'arith-steps', 'arith-steps:MIN-MAX' or the path of a JSONL file")
 
 
-def _arith_problems(low, high, split, n, seed):
+def _arith_problems(low, high, split, n, seed, template=None):
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if low > high:
@@ -493,7 +489,7 @@ def _arith_problems(low, high, split, n, seed):
                 key = (min(a, b), max(a, b)) if op in "+*" else (a, b)
                 test = zlib.crc32(f"{key[0]},{op},{key[1]}".encode()) % 100 < ARITH_TEST_PERCENT
                 if test == (split == "test"):
-                    problems.append({"question": ARITH_TEMPLATE.format(a=a, op=op, b=b),
+                    problems.append({"question": (template or ARITH_TEMPLATE).format(a=a, op=op, b=b),
                                      "answer": str(_ARITH_FNS[op](a, b))})
     if not problems:
         raise ValueError(f"arith {low}-{high} {split} split contains no problems; widen the range")
@@ -506,28 +502,6 @@ def _arith_problems(low, high, split, n, seed):
         rng.shuffle(problems)
         out.extend(dict(p) for p in problems)
     return out[:n]
-
-
-def _arith3_problems(low, high, split, n, seed):
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    if low > high:
-        raise ValueError(f"arith3 operand range is empty: {low}-{high}")
-    problems = []
-    for a in range(low, high + 1):
-        for b in range(low, high + 1):
-            for c in range(low, high + 1):
-                key = ",".join(map(str, sorted((a, b, c))))  # every order of a triple: one split
-                test = zlib.crc32(f"{key},+3".encode()) % 100 < ARITH_TEST_PERCENT
-                if test == (split == "test"):
-                    problems.append({"question": ARITH3_TEMPLATE.format(a=a, b=b, c=c), "answer": str(a + b + c)})
-    if not problems:
-        raise ValueError(f"arith3 {low}-{high} {split} split contains no problems; widen the range")
-    rng = random.Random(seed)
-    rng.shuffle(problems)
-    if n is None or n <= len(problems) or split == "test":
-        return problems[:n]
-    return [dict(problems[i % len(problems)]) for i in range(n)]  # train: repeat the split
 
 
 def _jsonl_problems(path, n, question_field, answer_field):

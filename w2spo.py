@@ -47,8 +47,9 @@ schedule; W2SPO inserts only short segments into target trajectories and trains 
     tokens); 1.3 flattens it into a noisier, more exploratory sampler whose tokens the target would rarely
     write itself, so that the importance correction has something to correct.
   * the total completion (prefix + branch + continuation) respects --max-new-tokens.
-  * the default task is arith3 (verifier.py): "a + b + c", brief steps then the final number, so that
-    the branch point falls inside real working, not inside a 2-token answer.
+  * the default task is arith-steps (verifier.py): "What is a + b? Add them step by step, then give the
+    final number." SmolLM2-135M-Instruct then writes ~50 tokens of working (~15% correct at the start),
+    so the branch point falls inside real reasoning, not inside a 2-token answer.
 
 Where this file simplifies:
   * pi_old of target tokens is the trainer's own (--ppo-epochs 1: logp.detach(), ratio 1), as in grpo.py.
@@ -160,7 +161,7 @@ def parse_args(argv=None):
     add("--is-cap", type=float, default=2.0, help="C of --aux-is truncated: weight min(pi_theta / pi_aux, C)")
     # Defaults of this script's task (measured in the README): a prompt that makes the model write a short
     # working, so that the branch point lies inside real reasoning.
-    parser.set_defaults(dataset="arith3", max_new_tokens=64, output_dir="runs/w2spo")
+    parser.set_defaults(dataset="arith-steps", max_new_tokens=48, output_dir="runs/w2spo")
     return parser.parse_args(argv)
 
 

@@ -346,19 +346,17 @@ def test_vllm_step_on_cpu(tiny_model_dir, tmp_path):
 
 # ----------------------------------------------------------------------------- the task and the default run
 
-def test_arith3_task_splits_are_disjoint_and_correct():
-    train = verifier.load_problems("arith3", "train")
-    test = verifier.load_problems("arith3", "test")
-    key = lambda p: tuple(sorted(int(x) for x in p["question"].split("?")[0].split("is ")[1].split(" + ")))
-    assert not {key(p) for p in train} & {key(p) for p in test}  # no reordering of a test question in train
-    assert len(train) + len(test) == 20 ** 3 and 0.1 < len(test) / (20 ** 3) < 0.3
-    for p in train[:50] + test[:50]:
-        assert int(p["answer"]) == sum(key(p)) and "step by step" in p["question"]
-    assert verifier.load_problems("arith3", "train", seed=1) != train  # the seed only shuffles
-    assert sorted(map(key, verifier.load_problems("arith3", "test", seed=1))) == sorted(map(key, test))
-    assert len(verifier.load_problems("arith3:1-3", "train", n=100)) == 100
-    with pytest.raises(ValueError):
-        verifier.load_problems("arith3:5-1")
+def test_arith_steps_task_is_arith_with_a_working_prompt():
+    for split in ("train", "test"):
+        plain = verifier.load_problems("arith", split, seed=3)
+        steps = verifier.load_problems("arith-steps", split, seed=3)
+        assert [p["answer"] for p in plain] == [p["answer"] for p in steps]  # same problems, same split
+        for p, q in zip(plain, steps):
+            assert p["question"].split("?")[0] == q["question"].split("?")[0]
+            assert q["question"].endswith("Add them step by step, then give the final number.")
+    assert len(verifier.load_problems("arith-steps:1-5", "train")) == len(verifier.load_problems("arith:1-5", "train"))
+    with pytest.raises(ValueError, match="arith-steps"):
+        verifier.load_problems("arith-stepz")
 
 
 def test_default_run_learns(tmp_path):
