@@ -161,7 +161,8 @@ def parse_args(argv=None):
     add("--is-cap", type=float, default=2.0, help="C of --aux-is truncated: weight min(pi_theta / pi_aux, C)")
     # Defaults of this script's task (measured in the README): a prompt that makes the model write a short
     # working, so that the branch point lies inside real reasoning.
-    parser.set_defaults(dataset="arith-steps", max_new_tokens=48, output_dir="runs/w2spo")
+    parser.set_defaults(dataset="arith-steps", max_new_tokens=48, steps=10, lr=3e-5, eval_problems=32,
+                        output_dir="runs/w2spo")
     return parser.parse_args(argv)
 
 
