@@ -459,9 +459,11 @@ def check_tokenizers(target_tok, aux_tok, target_name, aux_name):
         except Exception as err:  # e.g. one of them has no chat template
             return f"<{type(err).__name__}>"
 
-    for what in ("probe text", "eos_token_id", "pad_token_id", "bos_token_id", "chat template"):
+    labels = {"probe text": "probe text ids", "eos_token_id": "EOS id", "pad_token_id": "PAD id",
+              "bos_token_id": "BOS id", "chat template": "chat template ids"}
+    for what, label in labels.items():
         if ids(target_tok, what) != ids(aux_tok, what):
-            die(f"--aux-model {aux_name} and --model {target_name} do not share a tokenizer ({what} ids differ); "
+            die(f"--aux-model {aux_name} and --model {target_name} do not share a tokenizer ({label} differ); "
                 "the auxiliary model must use the target's tokenizer")
 
 
