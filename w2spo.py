@@ -40,7 +40,8 @@ schedule; W2SPO inserts only short segments into target trajectories and trains 
     TreeRL/FR3E do); --branch-range 0.2 0.8 of the rollout's length before EOS. A rollout with no
     allowed b (n < 2 tokens before EOS, or no integer in the range) is skipped: no branches, no loss; its
     tokens still count as sampled, and metrics.jsonl reports skipped_prompts.
-  * --aux-is truncated (default; measured best of the three on the default run, see README), --is-cap 2.
+  * --aux-is truncated (default: measured best of the three on a shortened default run, 5 steps: held-out
+    pass@1 20.3% -> 41.4%, vs 32.0% for none and 13.3% for clip; README), --is-cap 2.
   * --aux-model default: a frozen copy of the starting --model at --aux-temperature 1.3, a stand-in for a
     smaller model of the same family (e.g. Qwen3-0.6B auxiliary for a Qwen3-4B target; only one offline
     model exists here). At temperature 1.0 the copy would be the target itself (ratio 1, no off-policy
