@@ -360,8 +360,9 @@ def test_arith_steps_task_is_arith_with_a_working_prompt():
 
 
 def test_default_run_learns(tmp_path):
-    """The default run (SmolLM2-135M-Instruct, arith3, frozen copy as auxiliary), shortened to fit the
-    CI budget; the README's numbers come from the full `python w2spo.py`."""
+    """The default run (SmolLM2-135M-Instruct, arith-steps, frozen copy as auxiliary, --aux-is truncated),
+    shortened to 5 steps and 16 held-out problems to fit the CI budget. Measured (README): pass@1
+    20.3% -> 41.4% with this schedule; the assert leaves room for thread-count numerics."""
     summary = w2spo.main(["--output-dir", str(tmp_path), *SHORT_DEFAULT])
     print({k: v for k, v in summary.items() if k != "args"})
     assert summary["pass@1_after"] - summary["pass@1_before"] >= 0.10, summary
