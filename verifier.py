@@ -48,6 +48,10 @@ ARITH_MAX = 20
 ARITH_OPS = ("+",)
 ARITH_TEMPLATE = "What is {a} {op} {b}? Answer with just the number."
 ARITH_TEST_PERCENT = 20  # share of operand pairs held out for the test split
+# "arith-steps": the same problems and split, with a prompt that makes a small model write a short
+# working before the number (SmolLM2-135M-Instruct: ~50 tokens, ~15% correct), so that a completion
+# has a middle (w2spo.py branches inside it).
+ARITH_STEPS_TEMPLATE = "What is {a} {op} {b}? Add them step by step, then give the final number."
 
 # Guards that keep every check fast on adversarial input.
 MAX_ANSWER_CHARS = 10_000  # longer answers are only compared as plain strings
@@ -980,6 +984,8 @@ def load_problems(spec, split="train", n=None, seed=0, *,
     pairs are assigned to train or test by a fixed hash, so the splits are
     disjoint for every seed; `seed` only shuffles. n=None returns the whole
     split; a larger n repeats the train split, and is capped for test.
+    "arith-steps" (or "arith-steps:MIN-MAX"): the same problems and split,
+    worded with ARITH_STEPS_TEMPLATE (asks for brief steps, then the number).
 
     spec a path to a JSONL file: one {"question": ..., "answer": ...} object a
     line (field names configurable). GSM8K answers "... #### 1,234" become
@@ -990,17 +996,17 @@ def load_problems(spec, split="train", n=None, seed=0, *,
     spec = os.fspath(spec) if isinstance(spec, os.PathLike) else spec
     if not isinstance(spec, str):
         raise ValueError(f"problem spec must be a string, got {type(spec).__name__}")
-    m = re.fullmatch(r"arith(?::(\d+)-(\d+))?", spec.strip())
+    m = re.fullmatch(r"arith(-steps)?(?::(\d+)-(\d+))?", spec.strip())
     if m:
-        low, high = (int(m.group(1)), int(m.group(2))) if m.group(1) else (ARITH_MIN, ARITH_MAX)
-        return _arith_problems(low, high, split, n, seed)
+        low, high = (int(m.group(2)), int(m.group(3))) if m.group(2) else (ARITH_MIN, ARITH_MAX)
+        return _arith_problems(low, high, split, n, seed, ARITH_STEPS_TEMPLATE if m.group(1) else None)
     if spec.endswith(".jsonl") or os.path.isfile(spec):
         return _jsonl_problems(spec, n, question_field, answer_field)
-    raise ValueError(f"unknown problem spec {spec!r}: expected 'arith', 'arith:MIN-MAX' "
-                     "or the path of a JSONL file")
+    raise ValueError(f"unknown problem spec {spec!r}: expected 'arith', 'arith:MIN-MAX', "
+                     "'arith-steps', 'arith-steps:MIN-MAX' or the path of a JSONL file")
 
 
-def _arith_problems(low, high, split, n, seed):
+def _arith_problems(low, high, split, n, seed, template=None):
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if low > high:
@@ -1017,7 +1023,7 @@ def _arith_problems(low, high, split, n, seed):
                 key = (min(a, b), max(a, b)) if op in "+*" else (a, b)
                 test = zlib.crc32(f"{key[0]},{op},{key[1]}".encode()) % 100 < ARITH_TEST_PERCENT
                 if test == (split == "test"):
-                    problems.append({"question": ARITH_TEMPLATE.format(a=a, op=op, b=b),
+                    problems.append({"question": (template or ARITH_TEMPLATE).format(a=a, op=op, b=b),
                                      "answer": str(_ARITH_FNS[op](a, b))})
     if not problems:
         raise ValueError(f"arith {low}-{high} {split} split contains no problems; widen the range")
