@@ -45,6 +45,17 @@ Everything after that opening is our design, each piece [our choice] and switcha
     prompt is not used (no importance correction for the context shift): that is what "trained as an
     answer to the bare prompt" means, and why the update is biased towards the evolved answers.
 
+Train mode in equations (grpo.py's, on the group after the rescue; x is always the BARE prompt):
+    A_i      = (r_i - mean(r)) / (std(r) + 1e-4)                  --scale-rewards group (none: r_i - mean(r))
+    rho_i,t  = pi_theta(y_i,t | x, y_i,<t) / pi_old(y_i,t | x, y_i,<t)
+    l_i,t    = -min(rho_i,t * A_i, clip(rho_i,t, 1 - eps_low, 1 + eps_high) * A_i)   (+ beta * KL3 with --beta)
+aggregated by --loss-agg as in grpo.py. Precision as grpo.py: fp32 master weights, --dtype computes.
+
+The default task is grpo.py's (a + b with a, b in 1..20): SmolLM2-135M-Instruct answers about 10-16% of
+samples right and about half of its groups of 8 are all wrong, so there are groups to rescue while GRPO still
+learns. --dataset arith:20-99 is the cold start (about 2% right, 84% of groups all wrong; measured on 32
+train problems x 8 samples): tests/bench_sampling_evolve.py runs it against grpo.py at equal sampled tokens.
+
 Logged per step: all_wrong_groups, rescued_groups, evolved_trained, evolve_tokens (the extra sampled
 tokens evolution cost: children, plus critiques with --feedback critique), besides grpo.py's metrics.
 
