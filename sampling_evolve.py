@@ -964,6 +964,8 @@ def main(argv=None):
         train_seconds += step_seconds
         step_counts = {"all_wrong_groups": len(all_wrong), "rescued_groups": len(rescued), "evolved_trained": evolved,
                        "evolve_tokens": evolve_tokens}
+        # Not sampled but still paid for: the long evolution prompts are read once per child (prefill).
+        evolve_prompt_tokens = sum(n.get("prompt_tokens", 0) for db in dbs.values() for n in db)
         for key, value in step_counts.items():
             totals[key] += value
         record = {"step": step, "reward_mean": reward_sampled, "reward_mean_after_rescue": rewards.mean().item(),
@@ -971,7 +973,7 @@ def main(argv=None):
                   "completion_len_mean": float(np.mean([len(s["ids"]) for s in samples])),
                   "truncated_frac": float(np.mean([s["truncated"] for s in samples])),
                   "tokens_sampled": tokens_sampled, **step_counts,
-                  "tokens_sampled_total": tokens_sampled + evolve_tokens,
+                  "tokens_sampled_total": tokens_sampled + evolve_tokens, "evolve_prompt_tokens": evolve_prompt_tokens,
                   "sample_seconds": sample_seconds, "evolve_seconds": evolve_seconds, "step_seconds": step_seconds,
                   **stats}
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:

@@ -222,6 +222,11 @@ def test_one_train_step_end_to_end(tiny_model_dir, tmp_path):
     for tree in trees:
         assert all(n["parents"] == [] for n in tree["nodes"] if n["round"] == 0)
         assert all(n["parents"] and max(n["parents"]) < n["id"] for n in tree["nodes"] if n["round"] > 0)
+    children = [n for tree in trees for n in tree["nodes"] if n["round"] > 0]
+    assert sum(1 for n in children) * 6 >= record["evolve_tokens"]  # at most 6 sampled tokens a child
+    # each child read its whole evolution prompt (character-level tokenizer: longer than the header)
+    assert all(n["prompt_tokens"] > len(se.EVOLVE_HEADER) for n in children)
+    assert record["evolve_prompt_tokens"] == sum(n["prompt_tokens"] for n in children)
     assert (tmp_path / "final" / "config.json").exists()
 
 
