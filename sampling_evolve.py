@@ -153,6 +153,9 @@ def parse_args(argv=None):
         help="earlier attempts shown in an evolution prompt: best reward first, then most recent failures")
     add("--max-attempt-chars", type=int, default=200,
         help="an attempt shown in a prompt keeps its last N characters (the end holds the final answer)")
+    add("--prompt-style", default="text", choices=["text", "chat"],
+        help="text: one user message holding the problem, the attempts and their feedback; chat: a conversation "
+             "(the problem, each attempt as an assistant turn, its feedback + 'Try again.' as the next user turn)")
     add("--no-dedupe-parents", action="store_true",
         help="also show failures whose final answer repeats one already shown [our choice: skip them]")
     add("--feedback", default="verifier", choices=["verifier", "critique"],
@@ -442,6 +445,7 @@ def group_advantages(rewards, group_size, scale="group"):
 EVOLVE_HEADER = "Earlier attempts at this problem, each with a checker's verdict:"
 EVOLVE_INSTRUCTION = ("Write a new, improved solution. Do not repeat an answer marked incorrect. "
                       "The problem again: {question}")
+CHAT_RETRY = "Try again."
 CRITIQUE_PROMPT = ("Problem: {question}\n\nAttempt: {attempt}\n\nA checker says: {verdict}\n\n"
                    "In one or two sentences, point out what is wrong in the attempt and how to fix it.")
 
@@ -497,6 +501,28 @@ def render_evolution_prompt(question, parents, max_attempt_chars):
     return "\n".join(parts)
 
 
+def render_evolution_chat(question, parents, max_attempt_chars):
+    """--prompt-style chat: the attempts replayed as a conversation, oldest first, each answered by its
+    feedback (self-correction, as instruct models are tuned on). Messages for the chat template."""
+    messages = [{"role": "user", "content": question}]
+    for node in reversed(parents):  # parents come most relevant first; a conversation runs oldest first
+        reply = node["feedback"] + (f" Critique: {node['critique']}" if node["critique"] else "")
+        messages += [{"role": "assistant", "content": shown_attempt(node["text"], max_attempt_chars)},
+                     {"role": "user", "content": f"{reply} {CHAT_RETRY}"}]
+    return messages
+
+
+def evolution_prompt_ids(tokenizer, question, parents, args):
+    """The chat-template ids of an evolution prompt (--prompt-style), generation prompt included."""
+    if args.prompt_style == "text":
+        return encode_prompt(tokenizer, render_evolution_prompt(question, parents, args.max_attempt_chars),
+                             args.system_prompt)
+    system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    messages = system + render_evolution_chat(question, parents, args.max_attempt_chars)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def add_critiques(nodes, questions, critic, args):
     """--feedback critique: fill node["critique"] for nodes that have none (one sample each, batched).
     critic = (sampler, tokenizer). The critic sees the question, the attempt and the verdict only.
@@ -532,8 +558,7 @@ def evolve_round(sampler, tokenizer, problems, dbs, active, round_, args, critic
     if args.feedback == "critique":
         flat = [(node, problems[i]["question"]) for i, ps in zip(active, parents) for node in ps]
         tokens += add_critiques([n for n, _ in flat], [q for _, q in flat], critic, args)
-    prompts = [encode_prompt(tokenizer, render_evolution_prompt(problems[i]["question"], ps, args.max_attempt_chars),
-                             args.system_prompt) for i, ps in zip(active, parents)]
+    prompts = [evolution_prompt_ids(tokenizer, problems[i]["question"], ps, args) for i, ps in zip(active, parents)]
     children = sampler.generate(prompts, args.children, args.max_new_tokens, args.temperature)
     texts = tokenizer.batch_decode([c["ids"] for c in children], skip_special_tokens=True)
     for j, i in enumerate(active):

@@ -50,7 +50,7 @@ def test_render_evolution_prompt_shows_attempt_tails_and_feedback():
     assert "Critique: The sum is off by two." in text
     assert text.index("answer is 42") < text.index("I think it is 40")  # most recent first
     # the template adds no digit of its own: a numeric gold can never come from it
-    for constant in (se.EVOLVE_HEADER, se.EVOLVE_INSTRUCTION, se.CRITIQUE_PROMPT):
+    for constant in (se.EVOLVE_HEADER, se.EVOLVE_INSTRUCTION, se.CRITIQUE_PROMPT, se.CHAT_RETRY):
         assert not re.search(r"\d", constant)
 
 
@@ -90,11 +90,14 @@ def test_gold_never_in_a_rendered_prompt_or_in_feedback(tiny_model_dir):
         for n_parents in (1, 3, 5):
             text = se.render_evolution_prompt(p["question"], se.select_parents(db, n_parents), max_attempt_chars=12)
             assert p["answer"] not in text, (p, text)
-            ids = se.encode_prompt(tokenizer, text, "Solve it.")
-            assert p["answer"] not in tokenizer.decode(ids)
+            for style in ("text", "chat"):  # what the sampler gets, chat template and system prompt included
+                args = se.parse_args(["--prompt-style", style, "--max-attempt-chars", "12", "--system-prompt", "Hi."])
+                ids = se.evolution_prompt_ids(tokenizer, p["question"], se.select_parents(db, n_parents), args)
+                assert p["answer"] not in tokenizer.decode(ids), (p, style)
 
 
-def test_gold_never_in_what_the_sampler_sees(tiny_model_dir):
+@pytest.mark.parametrize("style", ["text", "chat"])
+def test_gold_never_in_what_the_sampler_sees(tiny_model_dir, style):
     """Through the real evolve() path on the tiny model, critiques included: every prompt handed to the
     sampler, with the model's own attempts cut out, lacks the gold (a random model's attempt may hold
     its digits by chance; nothing the code adds does)."""
@@ -110,7 +113,7 @@ def test_gold_never_in_what_the_sampler_sees(tiny_model_dir):
     problems = [{"question": "What is three plus four?", "answer": "7"},
                 {"question": "Name the number after eleven.", "answer": "12"}]
     args = se.parse_args(["--rounds", "2", "--children", "2", "--max-new-tokens", "6", "--feedback", "critique",
-                          "--critique-tokens", "4", "--max-attempt-chars", "20"])
+                          "--critique-tokens", "4", "--max-attempt-chars", "20", "--prompt-style", style])
     torch.manual_seed(0)
     first = sampler.generate([se.encode_prompt(tokenizer, p["question"]) for p in problems], 3, 6, 1.0)
     texts = tokenizer.batch_decode([s["ids"] for s in first], skip_special_tokens=True)
@@ -140,6 +143,17 @@ def rescue_fixture(tokenizer, G=4):
     trajectory = tokenizer("It is 4", add_special_tokens=False)["input_ids"] + [2]
     se.add_node(db, 1, [0], "It is 4", trajectory, verifier.reward("It is 4", "4"), "")
     return bare, samples, db, evolution_prompt, trajectory
+
+
+def test_chat_style_replays_attempts_as_turns():
+    db = make_db([("It is 40", 0), ("Maybe 41", 0)])
+    messages = se.render_evolution_chat("What is 20 + 23?", se.select_parents(db, 2), 200)
+    assert messages == [
+        {"role": "user", "content": "What is 20 + 23?"},
+        {"role": "assistant", "content": "It is 40"},
+        {"role": "user", "content": "The final answer 40 is incorrect. Try again."},
+        {"role": "assistant", "content": "Maybe 41"},
+        {"role": "user", "content": "The final answer 41 is incorrect. Try again."}]
 
 
 def test_evolved_row_is_bare_prompt_plus_trajectory_exactly(tiny_model_dir):
