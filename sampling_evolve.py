@@ -24,6 +24,9 @@ Everything after that opening is our design, each piece [our choice] and switcha
     attempts, and verdicts that quote only the wrong answers (the template itself has no digits).
     With the binary verifier this makes "best reward first" a tie-break among failures (most recent);
     it matters with graded rewards.
+  * --prompt-style text (default): E(x, S) is one user message (render_evolution_prompt); chat: the attempts
+    replayed as a conversation, each assistant turn answered by its feedback + "Try again." (self-correction
+    format). Neither beat the bare prompt with SmolLM2-135M (README); text is the spec's form.
   * --feedback verifier (default): the verifier's one-sentence verdict. --feedback critique: the verdict
     plus a short critique of the attempt written by the policy itself or a frozen --critic-model, which is
     shown the question, the attempt and the verdict, never the gold answer.
