@@ -818,8 +818,14 @@ def open_log(path, resumed_step=None):
     (lines whose "step" is later are dropped), so no step appears twice."""
     if resumed_step is None:
         return open(path, "w")
+    kept = []
     with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resumed_step]
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= resumed_step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):  # a line torn by the kill, mid-write
+                pass
     with open(path, "w") as f:
         f.writelines(kept)
     return open(path, "a")

@@ -83,7 +83,9 @@ import json
 import math
 import os
 import random
+import re
 import resource
+import shutil
 import sys
 import time
 
@@ -130,7 +132,8 @@ def add_common_args(parser):
         help="compute precision (autocast); the trained weights and the optimizer state are always float32 "
              f"(auto: bfloat16 on a GPU, {CPU_AUTO_DTYPE} on a CPU)")
     add("--save-dtype", default="float32", choices=["float32", "bfloat16"],
-        help="precision of the saved checkpoints (float32: the master weights; bfloat16: a smaller export)")
+        help="precision of final/ (float32: the master weights; bfloat16: a half-size export); "
+             "step_N/ always keep float32 for --resume")
     add("--backend", default="auto", choices=["auto", "hf", "vllm"],
         help="sampler: HF generate or vLLM in this process (auto: vLLM when installed and a GPU is present)")
     add("--gpu-memory-utilization", type=float, default=None,
@@ -142,7 +145,10 @@ def add_common_args(parser):
     add("--eval-k", type=int, default=4, help="k of the reported pass@k")
     add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only before and after)")
     add("--output-dir", default="runs/grpo", help="metrics.jsonl, summary.json and checkpoints go here")
-    add("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: only the final one)")
+    add("--save-every", type=int, default=0,
+        help="save a resumable checkpoint every N steps (step_N/: fp32 weights, optimizer, RNG; 0: only final/)")
+    add("--resume", default=None, metavar="DIR",
+        help="continue the run whose --output-dir is DIR from its newest step_N/ checkpoint, with its own flags")
     add("--seed", type=int, default=0, help="same seed on CPU gives the same run")
 
 
@@ -182,6 +188,18 @@ def parse_args(argv=None):
 def die(message):
     """A one-line error for bad input, no traceback."""
     raise SystemExit(f"error: {message}")
+
+
+def run_cli(main):
+    """main() from the command line: running out of memory ends in a one-line error that says what to
+    lower, not in a traceback (torch.OutOfMemoryError on a GPU, a failed allocation on the CPU)."""
+    try:
+        main()
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
+        if not isinstance(err, (torch.OutOfMemoryError, MemoryError)) and "can't allocate memory" not in str(err):
+            raise
+        die(f"out of memory ({str(err).strip().splitlines()[0][:160]}): lower --micro-batch (or --group-size, "
+            f"--max-new-tokens), and with --backend vllm lower --gpu-memory-utilization to leave the policy more")
 
 
 def check_args(args):
@@ -273,11 +291,14 @@ def resolve_model_path(name):
     gguf_dir = list(spec.submodule_search_locations)[0]
     print(f"converting {gguf_name} to a checkpoint in {folder} (once)", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
-    config = gguf_model.config
-    if hasattr(config, "quantization_config"):  # a GGUF-loaded model refuses save_pretrained
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Building models draws random initial weights: keep the caller's RNG as it was, so a seeded run
+    # is the same run whether or not it had to convert the model first.
+    with torch.random.fork_rng(devices=[]):
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):  # a GGUF-loaded model refuses save_pretrained
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
     staging = f"{folder}.tmp{os.getpid()}"
     model.save_pretrained(staging)
@@ -290,6 +311,8 @@ def load_model(name, dtype, device):
     """Policy (or reference) model and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = resolve_model_path(name)
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        die(f"cannot load model '{name}': no such folder (a hub name looks like 'org/model')")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
@@ -788,7 +811,8 @@ def train_step(model, optimizer, batch, args, ref_model=None):
             if args.beta > 0:
                 ref_logp = token_logprobs(ref_model, ids[active], attention_mask[active], T, args.temperature,
                                           args.micro_batch, compute_dtype=compute_dtype)[0]  # [A, T]
-    stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": float("nan"), "grad_norm": 0.0}
+    stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": float("nan"), "grad_norm": 0.0,
+             "skipped_nonfinite": 0}
     mismatch_sum, mismatch_max, mismatch_count = 0.0, 0.0, 0
     is_sum, is_count = 0.0, 0  # pi_theta / pi_behaviour over off-policy tokens (a diagnostic)
     for epoch in range(args.ppo_epochs):
@@ -829,11 +853,15 @@ def train_step(model, optimizer, batch, args, ref_model=None):
             entropy_sum += (entropy * mask).sum().item()
             counted += mask.sum().item()
         if counted:
-            if args.max_grad_norm > 0:
-                stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-            optimizer.step()
+            # The total gradient norm (clipped when --max-grad-norm > 0; inf disables clipping, only measures).
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf")))
             stats.update(loss=loss_sum, clip_frac=clipped / counted, kl=kl_sum / counted,
-                         entropy=entropy_sum / counted)
+                         entropy=entropy_sum / counted, grad_norm=grad_norm)
+            if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):  # never apply a NaN/inf update
+                optimizer.zero_grad(set_to_none=True)
+                stats["skipped_nonfinite"] = stats.get("skipped_nonfinite", 0) + 1
+                continue
+            optimizer.step()
     stats["trained_sequences"] = len(active)
     if "behaviour_logprobs" in batch:
         stats["off_policy_ratio_mean"] = is_sum / max(is_count, 1)
@@ -863,20 +891,89 @@ def evaluate(sampler, tokenizer, problems, args, prompt_chunk=8):
             "k": k, "mean_length": float(np.mean(lengths))}
 
 
-def save_checkpoint(model, tokenizer, folder, save_dtype="float32"):
+def save_checkpoint(model, tokenizer, folder, save_dtype="float32", resume_state=None):
     """A checkpoint transformers (and vLLM) can load with from_pretrained(folder). float32 keeps the
-    master weights exactly; bfloat16 writes a half-size export (the weights in memory are untouched)."""
-    os.makedirs(folder, exist_ok=True)
+    master weights exactly; bfloat16 writes a half-size export (the weights in memory are untouched).
+    resume_state (optimizer, RNG, loop counters) goes in as resume_state.pt, for --resume.
+    Written to a temporary folder and renamed into place: a kill while saving never leaves a half-written
+    checkpoint under `folder`."""
+    staging = f"{folder.rstrip(os.sep)}.tmp{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
     dtype = getattr(torch, save_dtype)
     state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in model.state_dict().items()}
-    model.save_pretrained(folder, state_dict=state)
-    config_path = os.path.join(folder, "config.json")
+    model.save_pretrained(staging, state_dict=state)
+    config_path = os.path.join(staging, "config.json")
     with open(config_path) as f:
         config = json.load(f)
     config["dtype"] = save_dtype  # say what the files hold (save_pretrained writes the in-memory dtype)
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
-    tokenizer.save_pretrained(folder)
+    tokenizer.save_pretrained(staging)
+    if resume_state is not None:
+        torch.save(resume_state, os.path.join(staging, "resume_state.pt"))
+    if os.path.exists(folder):  # an earlier run's checkpoint of the same name: swap it out, then delete it
+        os.replace(folder, f"{staging}.old")
+    os.replace(staging, folder)
+    shutil.rmtree(f"{staging}.old", ignore_errors=True)
+
+
+def rng_states():
+    """Every random number generator a run draws from (sampling, shuffles), to save with a checkpoint."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_states(states):
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def find_resume_state(args, argv):
+    """--resume DIR: the newest complete step_N/ checkpoint of DIR and its saved state, or None without
+    --resume. The resumed run takes back its own flags (a different value given now is reported, not used)
+    and keeps writing to DIR. Checkpoints are renamed into place whole, so any step_N/ is complete."""
+    if not args.resume:
+        return None, None
+    steps = []
+    if os.path.isdir(args.resume):
+        steps = [int(name[5:]) for name in os.listdir(args.resume) if re.fullmatch(r"step_\d+", name)
+                 and os.path.exists(os.path.join(args.resume, name, "resume_state.pt"))]
+    if not steps:
+        die(f"--resume {args.resume}: no resumable checkpoint there (a run saves step_N/ with --save-every N)")
+    folder = os.path.join(args.resume, f"step_{max(steps)}")
+    state = torch.load(os.path.join(folder, "resume_state.pt"), weights_only=False)  # our own file: RNG tuples
+    given = {token[2:].split("=")[0].replace("-", "_") for token in (sys.argv[1:] if argv is None else argv)
+             if token.startswith("--")}  # the flags typed now
+    changed = [f"--{name.replace('_', '-')}" for name in sorted(given - {"resume", "output_dir"})
+               if getattr(args, name, None) != state["args"].get(name)]
+    if changed:
+        print(f"warning: resuming with the run's own flags; ignored: {' '.join(changed)}", file=sys.stderr)
+    resume_dir = args.resume
+    vars(args).update(state["args"])
+    args.resume, args.output_dir = resume_dir, resume_dir
+    print(f"resuming {resume_dir} after step {state['step']}", file=sys.stderr)
+    return folder, state
+
+
+def open_log(path, resumed_step=None):
+    """A JSONL log of steps (metrics.jsonl) for writing; when resuming, cut back to the checkpoint's step
+    (lines whose "step" is later are dropped), so no step appears twice."""
+    if resumed_step is None:
+        return open(path, "w")
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= resumed_step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):  # a line torn by the kill, mid-write
+                pass
+    with open(path, "w") as f:
+        f.writelines(kept)
+    return open(path, "a")
 
 
 def load_data(args):
@@ -896,6 +993,7 @@ def load_data(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    resume_folder, resume = find_resume_state(args, argv)  # (None, None) unless --resume
     check_args(args)
     check_evolve_args(args)
     seed_everything(args.seed)
@@ -910,8 +1008,11 @@ def main(argv=None):
     print(f"compute: {str(compute_dtype).replace('torch.', '')} (weights and optimizer state: float32)",
           file=sys.stderr)
     # The engine is never trained: it may hold the weights in the compute precision.
-    engine = create_vllm_engine(args.model, args, compute_dtype) if backend == "vllm" else None  # before the policy
-    model, tokenizer = load_model(args.model, torch.float32, device)  # fp32 master weights, always
+    if resume and args.mode == "search":
+        die("--resume continues a training run; --mode search has nothing to resume")
+    start = resume_folder or args.model  # a resumed run starts from its checkpoint's weights
+    engine = create_vllm_engine(start, args, compute_dtype) if backend == "vllm" else None  # before the policy
+    model, tokenizer = load_model(start, torch.float32, device)  # fp32 master weights, always
     sampler = Sampler(backend, model, tokenizer, engine, compute_dtype)
     critic = None
     if args.feedback == "critique":  # the policy critiques itself unless a frozen critic is given
@@ -938,16 +1039,23 @@ def main(argv=None):
     if args.beta > 0:  # frozen copy of the starting policy; never updated, so compute precision is enough
         ref_model = load_model(args.model, compute_dtype, device)[0].eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "w")
-    trees_file = open(os.path.join(args.output_dir, "evolution_trees.jsonl"), "w")
+    resumed_step = resume["step"] if resume else None
+    metrics_file = open_log(os.path.join(args.output_dir, "metrics.jsonl"), resumed_step)
+    trees_file = open_log(os.path.join(args.output_dir, "evolution_trees.jsonl"), resumed_step)
 
-    before = evaluate(sampler, tokenizer, eval_problems, args)
+    if resume:  # the loop's state as it was after that step; the RNG last, so what follows is the same run
+        optimizer.load_state_dict(resume["optimizer"])
+        first_step, (before, last_eval, train_seconds, totals) = resume["step"] + 1, resume["loop"]
+        set_rng_states(resume["rng"])
+    else:
+        before = evaluate(sampler, tokenizer, eval_problems, args)
+        first_step, last_eval, train_seconds = 1, before, 0.0
+        totals = {"all_wrong_groups": 0, "rescued_groups": 0, "evolved_trained": 0, "evolve_tokens": 0}
     print(f"before: pass@1 {before['pass@1']:.3f}  pass@{before['k']} {before['pass@k']:.3f}", file=sys.stderr)
-    last_eval, train_seconds = before, 0.0
-    totals = {"all_wrong_groups": 0, "rescued_groups": 0, "evolved_trained": 0, "evolve_tokens": 0}
     G = args.group_size
     order = np.random.default_rng(args.seed).permutation(len(train_problems))
-    bar = tqdm(range(1, args.steps + 1), desc="sampling_evolve", dynamic_ncols=True)
+    bar = tqdm(range(first_step, args.steps + 1), desc="sampling_evolve", dynamic_ncols=True,
+               initial=first_step - 1, total=args.steps)
     for step in bar:
         t0 = time.time()
         picks = [train_problems[order[((step - 1) * args.prompts_per_step + j) % len(order)]]
@@ -1016,8 +1124,11 @@ def main(argv=None):
         metrics_file.flush()
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}", rescued=f"{totals['rescued_groups']}/"
                         f"{totals['all_wrong_groups']}", pass1=f"{last_eval['pass@1']:.2f}")
-        if args.save_every and step % args.save_every == 0:
-            save_checkpoint(model, tokenizer, os.path.join(args.output_dir, f"step_{step}"), args.save_dtype)
+        if args.save_every and step % args.save_every == 0:  # fp32 + optimizer + RNG: what --resume needs
+            trees_file.flush()
+            resume_state = {"step": step, "optimizer": optimizer.state_dict(), "rng": rng_states(),
+                            "loop": (before, last_eval, train_seconds, totals), "args": vars(args)}
+            save_checkpoint(model, tokenizer, os.path.join(args.output_dir, f"step_{step}"), "float32", resume_state)
 
     after = evaluate(sampler, tokenizer, eval_problems, args)
     print(f"after:  pass@1 {after['pass@1']:.3f}  pass@{after['k']} {after['pass@k']:.3f}  rescued "
@@ -1038,4 +1149,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

