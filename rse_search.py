@@ -446,9 +446,15 @@ def balanced_objects(text):
     return spans
 
 
+# LaTeX commands that begin with a JSON escape letter (\b \f \n \r \t), written with one backslash.
+LATEX_RE = re.compile(r"(?<!\\)\\(?=(?:[dt]?frac|forall|binom|beta|bar|bmod|boxed|big|times|theta|text|tan|tau|to"
+                      r"|top|neq|ne|nu|nabla|not|right|rho|rangle|rfloor|rceil)(?![A-Za-z]))")
+
+
 def parse_object(candidate):
-    """JSON, then JSON with lone backslashes (LaTeX) escaped, then with our two keys quoted if they were
-    bare, then a Python literal (single quotes)."""
+    """A dict from one candidate, or None. After escaping single LaTeX backslashes: JSON, then JSON with any
+    other lone backslash escaped, then with our two keys quoted if bare, then a Python literal (single quotes)."""
+    candidate = LATEX_RE.sub(r"\\\\", candidate)  # "\frac" would otherwise read as a form feed + "rac"
     quoted = re.sub(r'(?<=[{,\s])(verified_propositions|critical_pitfalls)\s*:', r'"\1":', candidate)  # bare keys
     for attempt in (lambda c: json.loads(c, strict=False),
                     lambda c: json.loads(re.sub(r'\\(?!["\\/bfnrtu])', r"\\\\", c), strict=False),
