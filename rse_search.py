@@ -37,7 +37,7 @@ Where this file simplifies or differs:
     with (built from rounds < r); the last round is not distilled (the official pipeline stops there too).
   * A baseline in the same run: plain sampling with the round-0 prompt and the same total number of solver
     samples (R x K a problem; round 0 is shared), so the table shows what the bank buys [our choice].
-  * Defaults are sized for a 2-core CPU (6 problems, K = 6, short completions, 1 retry): --samples-per-round 32
+  * Defaults are sized for a 2-core CPU (6 problems, K = 4, short completions, 1 retry): --samples-per-round 32
     --distill-retries 5 --max-new-tokens 32768 on a GPU is the paper's setting.
 
 Shared flags that apply: --model --dataset --eval-dataset --question-field --answer-field --system-prompt (the
@@ -132,11 +132,11 @@ def parse_args(argv=None):
     add_common_args(parser)
     add = parser.add_argument
     add("--rounds", type=int, default=4, help="generation rounds R: round 0 plain, then R-1 guided by the bank")
-    add("--samples-per-round", type=int, default=6, help="solver samples per problem and round (K; paper: 32)")
+    add("--samples-per-round", type=int, default=4, help="solver samples per problem and round (K; paper: 32)")
     add("--top-p", type=float, default=0.95, help="nucleus sampling for solver and distiller (official run: 0.95)")
     add("--top-k", type=int, default=20, help="top-k sampling for solver and distiller (official run: 20; 0 = off)")
     add("--distill-model", default=None, help="distiller model (default: --model itself, as the paper)")
-    add("--distill-max-new-tokens", type=int, default=80, help="length limit of a distiller reply")
+    add("--distill-max-new-tokens", type=int, default=64, help="length limit of a distiller reply")
     add("--distill-retries", type=int, default=1,
         help="ask again this many times when a reply holds no valid JSON, then skip the trajectory (official: 5)")
     add("--embedder", default="auto",

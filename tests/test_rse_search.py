@@ -165,7 +165,7 @@ def test_training_flags_are_ignored_with_a_warning(capsys):
     args = rse_search.parse_args(["--lr", "1e-3", "--group-size", "4"])
     assert "--group-size --lr ignored" in capsys.readouterr().err
     rse_search.check_search_args(args)
-    assert args.eval_k == args.samples_per_round == 6 and args.temperature == 0.6 and args.top_k == 20
+    assert args.eval_k == args.samples_per_round == 4 and args.temperature == 0.6 and args.top_k == 20
 
 
 # ----------------------------------------------------------------------------- real runs
