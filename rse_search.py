@@ -15,9 +15,9 @@ Dedup, exactly as the official experience_dedup.py (per problem, propositions an
      similarity to the most similar kept head is > tau (strict: exactly tau is kept); otherwise it is a new head;
   4. the kept heads are returned in their original order.
 Worked example, tau = 0.8, earlier bank ["x > 0", "a+b=7"], this round [" x > 0 ", "a + b = 7 holds"] with
-cos("a+b=7", "a + b = 7 holds") = 0.9: " x > 0 " replaces "x > 0" (same stripped text, current round); visit
-order " x > 0 " (current, 7 chars) ... "a + b = 7 holds" (current, 15) first, then "a+b=7" (0.9 > 0.8: dropped).
-Result: [" x > 0 ", "a + b = 7 holds"].
+cos("a+b=7", "a + b = 7 holds") = 0.9 (other pairs < 0.8): " x > 0 " replaces "x > 0" (same stripped text,
+current round) and takes index 2; visit order "a + b = 7 holds" (current, 15 chars), " x > 0 " (current, 7),
+"a+b=7" (earlier; 0.9 > 0.8: dropped). Result, by original index: [" x > 0 ", "a + b = 7 holds"].
 
 The official run (scripts/run.sh): R = 4 (round 0 + 3 guided), K = 32, tau = 0.8, temperature 0.6, top-p 0.95,
 top-k 20 for solving and distilling, up to 5 retries of a distillation whose reply is not valid JSON,
@@ -37,8 +37,8 @@ Where this file simplifies or differs:
     with (built from rounds < r); the last round is not distilled (the official pipeline stops there too).
   * A baseline in the same run: plain sampling with the round-0 prompt and the same total number of solver
     samples (R x K a problem; round 0 is shared), so the table shows what the bank buys [our choice].
-  * Defaults are sized for a 2-core CPU (6 problems, K = 4, short completions, 1 retry): --samples-per-round 32
-    --distill-retries 5 --max-new-tokens 32768 on a GPU is the paper's setting.
+  * Defaults are sized for a 2-core CPU (6 problems, K = 4, short completions, 1 retry); the official run has
+    K = 32, 5 retries and completions of up to 38912 tokens (see the GPU command below).
 
 Shared flags that apply: --model --dataset --eval-dataset --question-field --answer-field --system-prompt (the
 round-0 and baseline prompt) --max-new-tokens --temperature --dtype --backend --gpu-memory-utilization

@@ -69,6 +69,12 @@ def test_visit_order_current_first_then_longest_and_original_order_restored():
     assert rse_search.deduplicate(items, embed) == ["now", "a longer current one"]
 
 
+def test_the_docstring_worked_example():
+    embed = table_embed({"a+b=7": [1, 0, 0], "a + b = 7 holds": [0.9, np.sqrt(0.19), 0], " x > 0 ": [0, 0, 1]})
+    items = [("x > 0", False), ("a+b=7", False), (" x > 0 ", True), ("a + b = 7 holds", True)]
+    assert rse_search.deduplicate(items, embed) == [" x > 0 ", "a + b = 7 holds"]
+
+
 def test_distinct_items_all_kept_and_torch_embeddings_accepted():
     texts = ["alpha", "beta gamma", "delta", "epsilon zeta eta"]
     kept = rse_search.deduplicate([(t, i % 2 == 0) for i, t in enumerate(texts)],
