@@ -104,7 +104,8 @@ def add_common_args(parser):
         help="compute precision (autocast); the trained weights and the optimizer state are always float32 "
              f"(auto: bfloat16 on a GPU, {CPU_AUTO_DTYPE} on a CPU)")
     add("--save-dtype", default="float32", choices=["float32", "bfloat16"],
-        help="precision of the saved checkpoints (float32: the master weights; bfloat16: a smaller export)")
+        help="precision of final/ (float32: the master weights; bfloat16: a half-size export); "
+             "step_N/ always keep float32 for --resume")
     add("--backend", default="auto", choices=["auto", "hf", "vllm"],
         help="sampler: HF generate or vLLM in this process (auto: vLLM when installed and a GPU is present)")
     add("--gpu-memory-utilization", type=float, default=None,
@@ -116,13 +117,16 @@ def add_common_args(parser):
     add("--eval-k", type=int, default=4, help="k of the reported pass@k")
     add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only before and after)")
     add("--output-dir", default="runs/grpo", help="metrics.jsonl, summary.json and checkpoints go here")
-    add("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: only the final one)")
+    add("--save-every", type=int, default=0,
+        help="save a resumable checkpoint every N steps (step_N/: fp32 weights, optimizer, RNG; 0: only final/)")
+    add("--resume", default=None, metavar="DIR",
+        help="continue the run whose --output-dir is DIR from its newest step_N/ checkpoint, with its own flags")
     add("--seed", type=int, default=0, help="same seed on CPU gives the same run")
 
 # Shared flags that only the trainers use: accepted, ignored here with a warning.
 TRAINING_ONLY = ["steps", "prompts_per_step", "group_size", "lr", "weight_decay", "max_grad_norm", "micro_batch",
                  "ppo_epochs", "beta", "eps_low", "eps_high", "loss_agg", "scale_rewards", "filter_groups",
-                 "save_dtype", "no_sleep", "eval_samples", "eval_every", "save_every"]
+                 "save_dtype", "no_sleep", "eval_samples", "eval_every", "save_every", "resume"]
 
 
 def parse_args(argv=None):
@@ -159,6 +163,18 @@ def parse_args(argv=None):
 def die(message):
     """A one-line error for bad input, no traceback."""
     raise SystemExit(f"error: {message}")
+
+
+def run_cli(main):
+    """main() from the command line: running out of memory ends in a one-line error that says what to
+    lower, not in a traceback (torch.OutOfMemoryError on a GPU, a failed allocation on the CPU)."""
+    try:
+        main()
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
+        if not isinstance(err, (torch.OutOfMemoryError, MemoryError)) and "can't allocate memory" not in str(err):
+            raise
+        die(f"out of memory ({str(err).strip().splitlines()[0][:160]}): lower --micro-batch (or --group-size, "
+            f"--max-new-tokens), and with --backend vllm lower --gpu-memory-utilization to leave the policy more")
 
 
 def check_search_args(args):
@@ -223,11 +239,14 @@ def resolve_model_path(name):
     gguf_dir = list(spec.submodule_search_locations)[0]
     print(f"converting {gguf_name} to a checkpoint in {folder} (once)", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
-    config = gguf_model.config
-    if hasattr(config, "quantization_config"):  # a GGUF-loaded model refuses save_pretrained
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Building models draws random initial weights: keep the caller's RNG as it was, so a seeded run
+    # is the same run whether or not it had to convert the model first.
+    with torch.random.fork_rng(devices=[]):
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):  # a GGUF-loaded model refuses save_pretrained
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
     staging = f"{folder}.tmp{os.getpid()}"
     model.save_pretrained(staging)
@@ -239,6 +258,8 @@ def load_model(name, dtype, device):
     """Policy (or reference) model and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = resolve_model_path(name)
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        die(f"cannot load model '{name}': no such folder (a hub name looks like 'org/model')")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
@@ -830,4 +851,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)
