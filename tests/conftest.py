@@ -39,6 +39,18 @@ def build_tiny_model(folder, seed=0):
     return str(folder)
 
 
+def vllm_memory_share(kv_cache_gb=2.5):
+    """--gpu-memory-utilization for a vLLM test on the CPU build, as a string. There the share is of the
+    machine's RAM and counts what this process already holds (after other tests' models, it may be
+    several GB), so a fixed small share can leave the KV cache a negative budget: ask for what the process
+    holds now plus room for the cache."""
+    import os
+    with open("/proc/self/statm") as f:
+        resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return f"{min(0.9, (resident + kv_cache_gb * 2**30) / total):.3f}"
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))

@@ -10,6 +10,7 @@ import torch
 
 import rse_search
 import verifier
+from conftest import vllm_memory_share
 
 ROUND_KEYS = {"round", "pass@1", "pass@k", "majority", "solved_cumulative", "bank_propositions", "bank_pitfalls",
               "json_valid_rate", "solver_tokens", "distill_tokens"}
@@ -263,7 +264,7 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and os.
 def test_one_guided_round_through_vllm(tmp_path):
     summary = rse_search.main(["--backend", "vllm", "--rounds", "2", "--samples-per-round", "2", "--eval-problems", "2",
                                "--max-new-tokens", "16", "--distill-max-new-tokens", "32", "--distill-retries", "0",
-                               "--gpu-memory-utilization", "0.1", "--max-model-len", "1024",
+                               "--gpu-memory-utilization", vllm_memory_share(), "--max-model-len", "1024",
                                "--output-dir", str(tmp_path / "run")])
     assert summary["backend"] == "vllm" and [r["round"] for r in summary["rounds"]] == [0, 1]
     assert summary["rounds"][1]["distill_tokens"] > 0 and summary["rounds"][1]["solver_tokens"] > 0

@@ -11,6 +11,7 @@ import torch
 
 import sampling_evolve as se
 import verifier
+from conftest import vllm_memory_share
 
 
 def make_db(entries):
@@ -325,7 +326,7 @@ def test_resume_continues_the_same_run(tiny_model_dir, tmp_path):
 
 def test_one_search_round_through_vllm(tiny_model_dir, tmp_path):
     summary = se.main(tiny_run(tiny_model_dir, tmp_path, "--mode", "search", "--rounds", "1", "--backend", "vllm",
-                               "--gpu-memory-utilization", "0.1", "--max-model-len", "512", "--eval-problems", "3",
+                               "--gpu-memory-utilization", vllm_memory_share(), "--max-model-len", "512", "--eval-problems", "3",
                                "--max-attempt-chars", "20"))  # the tiny model has 512 positions
     assert summary["backend"] == "vllm"
     assert [r["samples_per_problem"] for r in summary["rounds"]] == [4, 8]

