@@ -768,6 +768,12 @@ def main(argv=None):
         files[name].write(json.dumps(record, ensure_ascii=False) + "\n")
         files[name].flush()
 
+    def write_trajectories(method, r, samples, texts, correct):
+        for j, sample in enumerate(samples):  # prompt-major: K samples a problem
+            write("trajectories", {"method": method, "round": r, "problem": j // K, "sample": j % K,
+                                   "text": texts[j], "correct": correct[j], "tokens": len(sample["ids"]),
+                                   "truncated": sample["truncated"]})
+
     K, P = args.samples_per_round, len(problems)
     base_system = args.system_prompt or BASE_PROMPT
     base_prompts = [encode_prompt(tokenizer, p["question"], base_system) for p in problems]
@@ -793,10 +799,7 @@ def main(argv=None):
         # 2. K solver samples a problem
         samples = generate(solver, prompts, K, args.max_new_tokens, args, f"solve r{r}")
         texts, correct, stats = score_round(samples, tokenizer, problems, args.eval_k, solved)
-        for j, s in enumerate(samples):
-            write("trajectories", {"method": "rse", "round": r, "problem": j // K, "sample": j % K,
-                                   "text": texts[j], "correct": correct[j], "tokens": len(s["ids"]),
-                                   "truncated": s["truncated"]})
+        write_trajectories("rse", r, samples, texts, correct)
         row = {"round": r, **{key: stats[key] for key in ("pass@1", "pass@k", "majority", "solved_cumulative")},
                "bank_propositions": float(np.mean([len(b["propositions"]) for b in banks])),
                "bank_pitfalls": float(np.mean([len(b["pitfalls"]) for b in banks])),
@@ -814,10 +817,7 @@ def main(argv=None):
             else:
                 base_samples = generate(solver, base_prompts, K, args.max_new_tokens, args, f"baseline r{r}")
                 b_texts, b_correct, b_stats = score_round(base_samples, tokenizer, problems, args.eval_k, base_solved)
-                for j, s in enumerate(base_samples):
-                    write("trajectories", {"method": "baseline", "round": r, "problem": j // K, "sample": j % K,
-                                           "text": b_texts[j], "correct": b_correct[j], "tokens": len(s["ids"]),
-                                           "truncated": s["truncated"]})
+                write_trajectories("baseline", r, base_samples, b_texts, b_correct)
             for i, p in enumerate(problems):
                 base_texts[i] += b_texts[i * K: (i + 1) * K]
             b_stats["majority_cumulative"] = float(np.mean(
