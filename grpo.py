@@ -75,6 +75,10 @@ def add_common_args(parser):
     add("--answer-field", default="answer", help="JSONL field holding the gold answer")
     add("--system-prompt", default=None, help="system message for the chat template (default: the model's own)")
     add("--steps", type=int, default=12, help="optimizer steps")
+    add("--token-budget", type=int, default=0,
+        help="stop after the step at which the tokens sampled for training so far (every model's, evaluation "
+             "excluded) reach N; --steps stays the upper limit (0: no budget). tests/compare.py gives every "
+             "method the same N")
     add("--prompts-per-step", type=int, default=8, help="prompts sampled per step")
     add("--group-size", type=int, default=8, help="completions per prompt (G)")
     add("--max-new-tokens", type=int, default=32, help="completion length limit")
@@ -150,6 +154,8 @@ def check_args(args):
     for name in ("steps", "prompts_per_step", "max_new_tokens", "ppo_epochs", "eval_samples"):
         if getattr(args, name) < 1:
             die(f"--{name.replace('_', '-')} must be at least 1")
+    if args.token_budget < 0:
+        die(f"--token-budget must be 0 (no budget) or positive (got {args.token_budget})")
     if args.temperature <= 0:
         die("--temperature must be > 0 (greedy decoding has no log-probs to train on)")
 
@@ -719,15 +725,16 @@ def main(argv=None):
 
     if resume:  # the loop's state as it was after that step; the RNG last, so what follows is the same run
         optimizer.load_state_dict(resume["optimizer"])
-        first_step, (before, last_eval, train_seconds) = resume["step"] + 1, resume["loop"]
+        first_step, (before, last_eval, train_seconds, tokens_total) = resume["step"] + 1, resume["loop"]
         set_rng_states(resume["rng"])
     else:
         before = evaluate(sampler, tokenizer, eval_problems, args)
-        first_step, last_eval, train_seconds = 1, before, 0.0
+        first_step, last_eval, train_seconds, tokens_total = 1, before, 0.0, 0
     print(f"before: pass@1 {before['pass@1']:.3f}  pass@{before['k']} {before['pass@k']:.3f}", file=sys.stderr)
     order = np.random.default_rng(args.seed).permutation(len(train_problems))
     bar = tqdm(range(first_step, args.steps + 1), desc="grpo", dynamic_ncols=True, initial=first_step - 1,
                total=args.steps)
+    steps_done = first_step - 1
     for step in bar:
         t0 = time.time()
         picks = [train_problems[order[((step - 1) * args.prompts_per_step + j) % len(order)]]
@@ -758,12 +765,15 @@ def main(argv=None):
             sampler.sync_weights(model)
         step_seconds = time.time() - t0
         train_seconds += step_seconds
+        steps_done, tokens_total = step, tokens_total + sum(len(s["ids"]) for s in samples)
+        budget_spent = bool(args.token_budget) and tokens_total >= args.token_budget
         record = {"step": step, "reward_mean": rewards.mean().item(), "frac_zero_std": zero_std.float().mean().item(),
+                  "all_wrong_frac": (rewards.view(-1, args.group_size).sum(dim=1) == 0).float().mean().item(),
                   "completion_len_mean": float(np.mean([len(s["ids"]) for s in samples])),
                   "truncated_frac": float(np.mean([s["truncated"] for s in samples])),
                   "tokens_sampled": sum(len(s["ids"]) for s in samples),
                   "sample_seconds": sample_seconds, "step_seconds": step_seconds, **stats}
-        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps and not budget_spent:
             last_eval = evaluate(sampler, tokenizer, eval_problems, args)
             record.update({"eval_pass@1": last_eval["pass@1"], "eval_pass@k": last_eval["pass@k"]})
         metrics_file.write(json.dumps(record) + "\n")
@@ -771,15 +781,20 @@ def main(argv=None):
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}", pass1=f"{last_eval['pass@1']:.2f}")
         if args.save_every and step % args.save_every == 0:  # fp32 + optimizer + RNG: what --resume needs
             resume_state = {"step": step, "optimizer": optimizer.state_dict(), "rng": rng_states(),
-                            "loop": (before, last_eval, train_seconds), "args": vars(args)}
+                            "loop": (before, last_eval, train_seconds, tokens_total), "args": vars(args)}
             save_checkpoint(model, tokenizer, os.path.join(args.output_dir, f"step_{step}"), "float32", resume_state)
+        if budget_spent:
+            print(f"token budget reached: {tokens_total} tokens sampled in {step} steps", file=sys.stderr)
+            break
 
     after = evaluate(sampler, tokenizer, eval_problems, args)
     print(f"after:  pass@1 {after['pass@1']:.3f}  pass@{after['k']} {after['pass@k']:.3f}", file=sys.stderr)
     save_checkpoint(model, tokenizer, os.path.join(args.output_dir, "final"), args.save_dtype)
     summary = {"pass@1_before": before["pass@1"], "pass@1_after": after["pass@1"],
                "pass@k_before": before["pass@k"], "pass@k_after": after["pass@k"], "k": args.eval_k,
-               "steps": args.steps, "train_seconds": train_seconds, "seconds_per_step": train_seconds / args.steps,
+               "steps": steps_done, "train_seconds": train_seconds,
+               "seconds_per_step": train_seconds / max(steps_done, 1),
+               "tokens_sampled": tokens_total,
                "peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # process RSS
                "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
                "model": args.model, "backend": backend, "compute_dtype": str(compute_dtype).replace("torch.", ""),

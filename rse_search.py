@@ -86,6 +86,10 @@ def add_common_args(parser):
     add("--answer-field", default="answer", help="JSONL field holding the gold answer")
     add("--system-prompt", default=None, help="system message for the chat template (default: the model's own)")
     add("--steps", type=int, default=12, help="optimizer steps")
+    add("--token-budget", type=int, default=0,
+        help="stop after the step at which the tokens sampled for training so far (every model's, evaluation "
+             "excluded) reach N; --steps stays the upper limit (0: no budget). tests/compare.py gives every "
+             "method the same N")
     add("--prompts-per-step", type=int, default=8, help="prompts sampled per step")
     add("--group-size", type=int, default=8, help="completions per prompt (G)")
     add("--max-new-tokens", type=int, default=32, help="completion length limit")
@@ -126,8 +130,8 @@ def add_common_args(parser):
     add("--seed", type=int, default=0, help="same seed on CPU gives the same run")
 
 # Shared flags that only the trainers use: accepted, ignored here with a warning.
-TRAINING_ONLY = ["steps", "prompts_per_step", "group_size", "lr", "weight_decay", "max_grad_norm", "micro_batch",
-                 "ppo_epochs", "beta", "eps_low", "eps_high", "loss_agg", "scale_rewards", "filter_groups",
+TRAINING_ONLY = ["steps", "token_budget", "prompts_per_step", "group_size", "lr", "weight_decay", "max_grad_norm",
+                 "micro_batch", "ppo_epochs", "beta", "eps_low", "eps_high", "loss_agg", "scale_rewards", "filter_groups",
                  "save_dtype", "no_sleep", "eval_samples", "eval_every", "save_every", "resume"]
 
 

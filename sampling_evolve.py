@@ -113,6 +113,10 @@ def add_common_args(parser):
     add("--answer-field", default="answer", help="JSONL field holding the gold answer")
     add("--system-prompt", default=None, help="system message for the chat template (default: the model's own)")
     add("--steps", type=int, default=12, help="optimizer steps")
+    add("--token-budget", type=int, default=0,
+        help="stop after the step at which the tokens sampled for training so far (every model's, evaluation "
+             "excluded) reach N; --steps stays the upper limit (0: no budget). tests/compare.py gives every "
+             "method the same N")
     add("--prompts-per-step", type=int, default=8, help="prompts sampled per step")
     add("--group-size", type=int, default=8, help="completions per prompt (G)")
     add("--max-new-tokens", type=int, default=32, help="completion length limit")
@@ -215,6 +219,8 @@ def check_args(args):
     for name in ("steps", "prompts_per_step", "max_new_tokens", "ppo_epochs", "eval_samples"):
         if getattr(args, name) < 1:
             die(f"--{name.replace('_', '-')} must be at least 1")
+    if args.token_budget < 0:
+        die(f"--token-budget must be 0 (no budget) or positive (got {args.token_budget})")
     if args.temperature <= 0:
         die("--temperature must be > 0 (greedy decoding has no log-probs to train on)")
 
@@ -228,7 +234,7 @@ def check_evolve_args(args):
     if args.rounds < 0 or (args.mode == "search" and args.rounds < 1):
         die(f"--rounds must be at least {1 if args.mode == 'search' else 0} with --mode {args.mode} "
             f"(got {args.rounds})")
-    if not 0 <= args.max_evolved <= args.group_size - 1:
+    if args.mode == "train" and not 0 <= args.max_evolved <= args.group_size - 1:
         die(f"--max-evolved {args.max_evolved} must be between 0 and --group-size - 1 = {args.group_size - 1} "
             "(evolved trajectories replace wrong samples; a group needs one wrong sample left to compare)")
     if args.critic_model and args.feedback != "critique":
@@ -240,8 +246,8 @@ def check_evolve_args(args):
             print(f"warning: {', '.join(ignored)} apply to --mode train only; ignored in search mode", file=sys.stderr)
 
 
-TRAIN_ONLY = ["steps", "prompts_per_step", "lr", "weight_decay", "max_grad_norm", "micro_batch", "ppo_epochs", "beta",
-              "eps_low", "eps_high", "loss_agg", "scale_rewards", "filter_groups", "eval_samples", "eval_k",
+TRAIN_ONLY = ["steps", "token_budget", "prompts_per_step", "lr", "weight_decay", "max_grad_norm", "micro_batch",
+              "ppo_epochs", "beta", "eps_low", "eps_high", "loss_agg", "scale_rewards", "filter_groups", "eval_samples", "eval_k",
               "eval_every", "save_every", "save_dtype", "max_evolved"]
 
 
@@ -1051,12 +1057,14 @@ def main(argv=None):
     else:
         before = evaluate(sampler, tokenizer, eval_problems, args)
         first_step, last_eval, train_seconds = 1, before, 0.0
-        totals = {"all_wrong_groups": 0, "rescued_groups": 0, "evolved_trained": 0, "evolve_tokens": 0}
+        totals = {"all_wrong_groups": 0, "rescued_groups": 0, "evolved_trained": 0, "evolve_tokens": 0,
+                  "tokens_sampled": 0}
     print(f"before: pass@1 {before['pass@1']:.3f}  pass@{before['k']} {before['pass@k']:.3f}", file=sys.stderr)
     G = args.group_size
     order = np.random.default_rng(args.seed).permutation(len(train_problems))
     bar = tqdm(range(first_step, args.steps + 1), desc="sampling_evolve", dynamic_ncols=True,
                initial=first_step - 1, total=args.steps)
+    steps_done = first_step - 1
     for step in bar:
         t0 = time.time()
         picks = [train_problems[order[((step - 1) * args.prompts_per_step + j) % len(order)]]
@@ -1110,6 +1118,9 @@ def main(argv=None):
         evolve_prompt_tokens = sum(n.get("prompt_tokens", 0) for db in dbs.values() for n in db)
         for key, value in step_counts.items():
             totals[key] += value
+        totals["tokens_sampled"] += tokens_sampled + evolve_tokens  # what --token-budget counts
+        steps_done = step
+        budget_spent = bool(args.token_budget) and totals["tokens_sampled"] >= args.token_budget
         record = {"step": step, "reward_mean": reward_sampled, "reward_mean_after_rescue": rewards.mean().item(),
                   "frac_zero_std": zero_std.float().mean().item(),
                   "completion_len_mean": float(np.mean([len(s["ids"]) for s in samples])),
@@ -1118,7 +1129,7 @@ def main(argv=None):
                   "tokens_sampled_total": tokens_sampled + evolve_tokens, "evolve_prompt_tokens": evolve_prompt_tokens,
                   "sample_seconds": sample_seconds, "evolve_seconds": evolve_seconds, "step_seconds": step_seconds,
                   **stats}
-        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps and not budget_spent:
             last_eval = evaluate(sampler, tokenizer, eval_problems, args)
             record.update({"eval_pass@1": last_eval["pass@1"], "eval_pass@k": last_eval["pass@k"]})
         metrics_file.write(json.dumps(record) + "\n")
@@ -1130,6 +1141,9 @@ def main(argv=None):
             resume_state = {"step": step, "optimizer": optimizer.state_dict(), "rng": rng_states(),
                             "loop": (before, last_eval, train_seconds, totals), "args": vars(args)}
             save_checkpoint(model, tokenizer, os.path.join(args.output_dir, f"step_{step}"), "float32", resume_state)
+        if budget_spent:
+            print(f"token budget reached: {totals['tokens_sampled']} tokens sampled in {step} steps", file=sys.stderr)
+            break
 
     after = evaluate(sampler, tokenizer, eval_problems, args)
     print(f"after:  pass@1 {after['pass@1']:.3f}  pass@{after['k']} {after['pass@k']:.3f}  rescued "
@@ -1137,7 +1151,8 @@ def main(argv=None):
     save_checkpoint(model, tokenizer, os.path.join(args.output_dir, "final"), args.save_dtype)
     summary = {"pass@1_before": before["pass@1"], "pass@1_after": after["pass@1"],
                "pass@k_before": before["pass@k"], "pass@k_after": after["pass@k"], "k": args.eval_k,
-               "steps": args.steps, "train_seconds": train_seconds, "seconds_per_step": train_seconds / args.steps,
+               "steps": steps_done, "train_seconds": train_seconds,
+               "seconds_per_step": train_seconds / max(steps_done, 1),
                "peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # process RSS
                "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
                "model": args.model, "backend": backend, "compute_dtype": str(compute_dtype).replace("torch.", ""),

@@ -104,6 +104,10 @@ def add_common_args(parser):
     add("--answer-field", default="answer", help="JSONL field holding the gold answer")
     add("--system-prompt", default=None, help="system message for the chat template (default: the model's own)")
     add("--steps", type=int, default=12, help="optimizer steps")
+    add("--token-budget", type=int, default=0,
+        help="stop after the step at which the tokens sampled for training so far (every model's, evaluation "
+             "excluded) reach N; --steps stays the upper limit (0: no budget). tests/compare.py gives every "
+             "method the same N")
     add("--prompts-per-step", type=int, default=8, help="prompts sampled per step")
     add("--group-size", type=int, default=8, help="completions per prompt (G)")
     add("--max-new-tokens", type=int, default=32, help="completion length limit")
@@ -203,6 +207,8 @@ def check_args(args):
     for name in ("steps", "prompts_per_step", "max_new_tokens", "ppo_epochs", "eval_samples"):
         if getattr(args, name) < 1:
             die(f"--{name.replace('_', '-')} must be at least 1")
+    if args.token_budget < 0:
+        die(f"--token-budget must be 0 (no budget) or positive (got {args.token_budget})")
     if args.temperature <= 0:
         die("--temperature must be > 0 (greedy decoding has no log-probs to train on)")
 
@@ -962,6 +968,7 @@ def main(argv=None):
     order = np.random.default_rng(args.seed).permutation(len(train_problems))
     bar = tqdm(range(first_step, args.steps + 1), desc="w2spo", dynamic_ncols=True, initial=first_step - 1,
                total=args.steps)
+    steps_done = first_step - 1
     for step in bar:
         t0 = time.time()
         picks = [train_problems[order[((step - 1) * args.prompts_per_step + j) % len(order)]]
@@ -1012,8 +1019,11 @@ def main(argv=None):
         totals["trained_tokens"] += record["tokens_trained"]
         step_seconds = time.time() - t0
         train_seconds += step_seconds
+        steps_done = step
+        budget_spent = (bool(args.token_budget)
+                        and totals["target_tokens"] + totals["aux_tokens"] >= args.token_budget)
         record.update(sample_seconds=sample_seconds, step_seconds=step_seconds, **stats)
-        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps and not budget_spent:
             last_eval = evaluate(sampler, tokenizer, eval_problems, args)
             record.update({"eval_pass@1": last_eval["pass@1"], "eval_pass@k": last_eval["pass@k"]})
         metrics_file.write(json.dumps(record) + "\n")
@@ -1025,13 +1035,19 @@ def main(argv=None):
                             "branch_rng": rng.bit_generator.state,
                             "loop": (before, last_eval, train_seconds, totals, all_wrong_history), "args": vars(args)}
             save_checkpoint(model, tokenizer, os.path.join(args.output_dir, f"step_{step}"), "float32", resume_state)
+        if budget_spent:
+            print(f"token budget reached: {totals['target_tokens'] + totals['aux_tokens']} tokens sampled in "
+                  f"{step} steps", file=sys.stderr)
+            break
 
     after = evaluate(sampler, tokenizer, eval_problems, args)
     print(f"after:  pass@1 {after['pass@1']:.3f}  pass@{after['k']} {after['pass@k']:.3f}", file=sys.stderr)
     save_checkpoint(model, tokenizer, os.path.join(args.output_dir, "final"), args.save_dtype)
     summary = {"pass@1_before": before["pass@1"], "pass@1_after": after["pass@1"],
                "pass@k_before": before["pass@k"], "pass@k_after": after["pass@k"], "k": args.eval_k,
-               "steps": args.steps, "train_seconds": train_seconds, "seconds_per_step": train_seconds / args.steps,
+               "steps": steps_done, "train_seconds": train_seconds,
+               "seconds_per_step": train_seconds / max(steps_done, 1),
+               "tokens_sampled": totals["target_tokens"] + totals["aux_tokens"],
                "peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # process RSS
                "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
                "model": args.model, "backend": backend, "compute_dtype": str(compute_dtype).replace("torch.", ""),

@@ -1,0 +1,90 @@
+"""--token-budget (what tests/compare.py equalises) and tests/compare.py itself, at toy sizes."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import grpo
+import passk
+import sampling_evolve
+import w2spo
+import test_grpo
+import test_sampling_evolve
+import test_w2spo
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+import compare  # noqa: E402
+
+SCRIPTS = {"grpo": (grpo, test_grpo.tiny_run), "passk": (passk, test_grpo.tiny_run),
+           "w2spo": (w2spo, test_w2spo.tiny_run), "sampling_evolve": (sampling_evolve, test_sampling_evolve.tiny_run)}
+
+
+def step_tokens(record):
+    """The tokens a step counts against --token-budget (sampling_evolve adds its evolution rounds)."""
+    return record.get("tokens_sampled_total", record["tokens_sampled"])
+
+
+def metrics(folder):
+    return [{k: v for k, v in json.loads(line).items() if "seconds" not in k}
+            for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_token_budget_stops_the_same_run_after_the_step_that_reaches_it(name, tiny_model_dir, tmp_path):
+    """A budget one token past step 1's tokens stops the run after step 2: the same two steps as the run
+    without a budget (same seed), and the summary counts the steps and tokens actually done."""
+    module, tiny_run = SCRIPTS[name]
+    module.main(tiny_run(tiny_model_dir, tmp_path / "whole", "--steps", "3"))
+    whole = metrics(tmp_path / "whole")
+    assert len(whole) == 3
+    budget = step_tokens(whole[0]) + 1
+    summary = module.main(tiny_run(tiny_model_dir, tmp_path / "cut", "--steps", "3", "--token-budget", str(budget)))
+    cut = metrics(tmp_path / "cut")
+    assert cut == whole[:2]
+    assert summary["steps"] == 2
+    assert summary["tokens_sampled"] == step_tokens(whole[0]) + step_tokens(whole[1]) >= budget
+    assert summary["seconds_per_step"] == pytest.approx(summary["train_seconds"] / 2)
+
+
+def test_negative_token_budget_is_a_one_line_error(tiny_model_dir, tmp_path):
+    with pytest.raises(SystemExit, match="--token-budget must be 0"):
+        grpo.main(test_grpo.tiny_run(tiny_model_dir, tmp_path, "--token-budget", "-5"))
+
+
+def test_plot_writes_pngs_or_says_how_to_get_matplotlib(tmp_path, capsys):
+    train = [{"method": "grpo", "reward_curve": [(10, 0.1), (20, 0.3)], "eval_curve": [(0, 0.1), (20, 0.4)]}]
+    search = [{"samples_per_problem": 4 * (r + 1), "rse_solved": 0.5, "rse_baseline_solved": 0.5,
+               "evolve_solved": 0.5, "independent_solved": 0.5} for r in range(2)]
+    written = compare.plot(train, search, tmp_path)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert written == [] and "pip install matplotlib" in capsys.readouterr().err
+    else:
+        assert [p.name for p in written] == ["train.png", "search.png"]
+        assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
+
+
+def test_compare_quick_end_to_end(tmp_path):
+    """The real default model, every script as a user runs it, at toy sizes: one table where each training
+    run stopped at the first step that reached the same budget, all started from the same pass@1, and the
+    two search methods drew the same number of samples a problem in every round."""
+    result = compare.main(["--quick", "--output-dir", str(tmp_path)])
+    budget, cap = compare.SETTINGS["quick"]["train"]["--token-budget"], compare.SETTINGS["quick"]["train"]["--steps"]
+    rows = {row["method"]: row for row in result["training"]}
+    assert sorted(rows) == sorted(name for name, _, _ in compare.TRAINING)
+    for name, row in rows.items():
+        steps = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert len(steps) == row["steps"] and row["tokens_sampled"] == sum(step_tokens(r) for r in steps)
+        assert row["tokens_sampled"] >= budget or row["steps"] == cap, name
+        assert row["tokens_sampled"] - step_tokens(steps[-1]) < budget, name  # stopped at the first crossing
+        assert row["eval_curve"][0] == (0, row["pass@1_before"]) and row["peak_rss_gb"] > 0.3
+    assert len({row["pass@1_before"] for row in rows.values()}) == 1  # same seed, weights and problems
+    search = result["search"]
+    assert len(search) == compare.SETTINGS["quick"]["search"]["rounds"]
+    assert all(r["samples_per_problem"] == r["evolve_samples_per_problem"] for r in search)
+    assert all(0 <= r[key] <= 1 for r in search for key in ("rse_solved", "evolve_solved", "independent_solved"))
+    table = (tmp_path / "compare.md").read_text()
+    assert all(f"| {name} |" in table for name in rows) and "SamplingEvolve solved" in table
