@@ -142,7 +142,7 @@ def trl_worker(args):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench_vs_trl_"), use_cpu=device == "cpu", bf16=False, fp16=False,
+        output_dir=str(Path(args.trl_worker).parent / "trl"), use_cpu=device == "cpu", bf16=False, fp16=False,
         seed=gargs.seed, max_steps=gargs.steps, num_generations=G, max_completion_length=gargs.max_new_tokens,
         # micro-batches of mb; mb x accumulation = P x G completions an optimizer step. steps_per_generation
         # defaults to gradient_accumulation_steps, so generation_batch_size = P x G: one generation a step.
