@@ -39,10 +39,10 @@ TRAINING = [("grpo", "grpo.py", []), ("passk", "passk.py", []), ("w2spo", "w2spo
             ("sampling_evolve", "sampling_evolve.py", ["--mode", "train"])]
 SETTINGS = {  # the shared flags of each size; the README's table comes from "full"
     "full": {"train": {"--prompts-per-step": 8, "--group-size": 8, "--micro-batch": 8, "--max-new-tokens": 48,
-                       "--lr": 3e-5, "--token-budget": 30000, "--steps": 40, "--eval-problems": 32,
-                       "--eval-samples": 8, "--eval-k": 4, "--eval-every": 4},
+                       "--lr": 3e-5, "--token-budget": 15000, "--steps": 30, "--eval-problems": 32,
+                       "--eval-samples": 8, "--eval-k": 4, "--eval-every": 3},
              "passk_k": 4,
-             "search": {"problems": 6, "rounds": 3, "samples": 4, "max_new_tokens": 48, "temperature": 0.6}},
+             "search": {"problems": 20, "rounds": 3, "samples": 4, "max_new_tokens": 48, "temperature": 0.6}},
     "quick": {"train": {"--prompts-per-step": 2, "--group-size": 4, "--micro-batch": 4, "--max-new-tokens": 24,
                         "--lr": 3e-5, "--token-budget": 250, "--steps": 3, "--eval-problems": 2,
                         "--eval-samples": 4, "--eval-k": 2, "--eval-every": 1},
@@ -131,7 +131,8 @@ def search_rows(rse, evolve):
                      "evolve_samples_per_problem": evo["samples_per_problem"],
                      "rse_pass@1": rse_row["pass@1"], "rse_solved": rse_row["solved_cumulative"],
                      "rse_baseline_solved": baseline.get("solved_cumulative"),
-                     "evolve_solved": evo["solved_cumulative"], "independent_solved": evo["solved_cumulative_independent"],
+                     "evolve_solved": evo["solved_cumulative"],
+                     "independent_solved": evo["solved_cumulative_independent"],
                      "rse_tokens": sum(x["solver_tokens"] + x["distill_tokens"] for x in rse["rounds"][: r + 1]),
                      "evolve_tokens": evo["tokens"]})
     return rows
@@ -142,8 +143,8 @@ def pct(x):
 
 
 def tables_markdown(train, search, search_meta):
-    lines = ["| method | steps | tokens sampled | pass@1 before → after | pass@k before → after | all-wrong groups "
-             "| s / step | peak RSS GB | wall |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | steps | tokens sampled | pass@1 % before → after | pass@k % before → after "
+             "| all-wrong groups % | s / step | peak RSS GB | wall |", "|---|---|---|---|---|---|---|---|---|"]
     for row in train:
         wrong = pct(row["all_wrong_frac"])
         if row["all_wrong_after_rescue"] is not None:
@@ -153,13 +154,15 @@ def tables_markdown(train, search, search_meta):
                      f"(k={row['k']}) | {wrong} | {row['seconds_per_step']:.1f} | {row['peak_rss_gb']:.2f} | "
                      f"{row['wall_seconds'] / 60:.1f} min |")
     if search:
-        lines += ["", "| round | samples a problem | RSE pass@1 | RSE solved | its plain baseline solved | "
-                      "SamplingEvolve solved | its independent baseline solved | RSE tokens | SamplingEvolve tokens |",
+        lines += ["", "| round | samples a problem | RSE pass@1 % | RSE solved % | its plain baseline solved % "
+                      "| SamplingEvolve solved % | its independent baseline solved % | RSE tokens "
+                      "| SamplingEvolve tokens |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for row in search:
             lines.append(f"| {row['round']} | {row['samples_per_problem']} | {pct(row['rse_pass@1'])} | "
-                         f"{pct(row['rse_solved'])} | {pct(row['rse_baseline_solved'])} | {pct(row['evolve_solved'])} | "
-                         f"{pct(row['independent_solved'])} | {row['rse_tokens']} | {row['evolve_tokens']} |")
+                         f"{pct(row['rse_solved'])} | {pct(row['rse_baseline_solved'])} | "
+                         f"{pct(row['evolve_solved'])} | {pct(row['independent_solved'])} | {row['rse_tokens']} | "
+                         f"{row['evolve_tokens']} |")
         lines.append("")
         lines.append(f"Search: {search_meta['problems']} held-out problems; wall time RSE "
                      f"{search_meta['rse_wall'] / 60:.1f} min (peak RSS {search_meta['rse_rss']:.2f} GB), "
