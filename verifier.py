@@ -1,38 +1,31 @@
-"""Answer checking for RLVR (reinforcement learning with verifiable rewards).
+r"""Answer checking for RLVR (reinforcement learning with verifiable rewards).
 
-The rule: a completion's final answer is the content of its last ``\\boxed{...}``
-(or ``\\fbox{...}``); if it has none, the last number in its text (3e5 and
-3 \\times 10^{5} are one number). The reward is 1.0 when that answer is equivalent
-to the gold answer, else 0.0.
+The rule: a completion's final answer is the content of its last \boxed{...} (or \fbox{...}),
+else the last number in its text (3e5 and 3 \times 10^{5} are one number). The reward is 1.0
+when that answer is equivalent to the gold answer, else 0.0.
 
-Equivalence is exact and deliberately conservative. Numbers are compared as exact
-rationals (0.5 == 1/2, 3e5 == 3\\times10^{5} == 300000, but 0.333 != 1/3);
-formatting noise is removed (LaTeX spacing, \\text{}, unit words also with an
-exponent as in 5\\text{ m}^2, %, $, degrees, \\left/\\right, thousands
-separators); tuples, intervals, sets and lists are compared element by element.
-An unusual but correct answer may be marked wrong; a wrong answer should never be
-marked right.
+Exact tier: numbers are exact rationals (0.5 == 1/2, 3e5 == 300000, but 0.333 != 1/3), once
+formatting is removed (LaTeX spacing, \text{}, units also with an exponent as in 5\text{ m}^2,
+%, $, degrees, \left/\right, thousands separators); "x = 5" is the answer 5; tuples, intervals,
+sets and lists are compared element by element.
 
-Symbolic tier (SYMBOLIC = True; standard library only): anything else is read
-into an exact rational function over rationals and square roots, with each word
-(xy is one symbol, x y two), Greek letter, f(x), \\sin(x) or nested root a free
-symbol, and compared exactly: \\sqrt{8} == 2\\sqrt{2}, \\frac{1}{\\sqrt{2}} ==
-\\frac{\\sqrt{2}}{2}, (x+1)^2 == x^2+2x+1, \\sec^2(y) == \\tan^2(y)+1, y = 2x+1 == 2x-y+1 = 0
-(a relation may be scaled by a constant: positive for an inequality). A decimal
-with 12+ significant digits matches a value without a finite decimal expansion to
-within one unit in its last place (0.0833333333333333 == 1/12). It never calls
-arithmetic an answer: 2+3 != 5 and \\sqrt{4} != 2 (a rational must be written as a
-number), and in one unknown 2x = 10 != x = 5 (only 5 = x or x - 5 = 0). When it
-cannot read an answer it falls back to the string comparison. Equal is not
-simplified: where a task asks to simplify or factor, \\sqrt{8} or x^2+2x+1 copied
-from the question is rewarded, so set SYMBOLIC = False there.
+Symbolic tier (SYMBOLIC = True): anything else is read into an exact rational function over the
+rationals and square roots, each word (xy is one symbol, x y two), Greek letter, f(x), \sin(x)
+or nested root a free symbol: \sqrt{8} == 2\sqrt{2}, \frac{1}{\sqrt{2}} == \frac{\sqrt{2}}{2},
+(x+1)^2 == x^2+2x+1, \sec^2(y) == \tan^2(y)+1, y = 2x+1 == 2x-y+1 = 0 (a relation may be scaled
+by a constant, a positive one for an inequality). A decimal of 12 or more significant digits
+matches a value without a finite decimal expansion to within one unit in its last place
+(0.0833333333333333 == 1/12). Arithmetic is not an answer: 2+3 != 5, \sqrt{4} != 2 (a rational
+must be written as a number), and in one unknown 2x = 10 != x = 5 (5 = x and x - 5 = 0 are
+x = 5). Equal is not simplified: where a task asks to simplify or factor, \sqrt{8} or x^2+2x+1
+copied from the question is rewarded, so set SYMBOLIC = False there.
 
-Also here: feedback(), pass_at_k() and load_problems() (a built-in synthetic
-arithmetic task, or JSONL files). Only the standard library is used.
+Conservative: an unusual but correct answer may be marked wrong, a wrong answer never right, and
+no input makes a check slow or raise. Also here: feedback(), pass_at_k() and load_problems() (a
+built-in arithmetic task, or JSONL files). Only the standard library is used.
 """
-from __future__ import annotations
-
 import functools
+import itertools
 import json
 import math
 import operator
@@ -42,923 +35,79 @@ import re
 import zlib
 from fractions import Fraction
 
-# Synthetic arithmetic task (read at call time, so callers may override them).
+# The built-in task "arith": "What is a + b?" (read at call time, so callers may change them).
 ARITH_MIN = 1
 ARITH_MAX = 20
 ARITH_OPS = ("+",)
 ARITH_TEMPLATE = "What is {a} {op} {b}? Answer with just the number."
 ARITH_TEST_PERCENT = 20  # share of operand pairs held out for the test split
-# "arith-steps": the same problems and split, with a prompt that makes a small model write a short
-# working before the number (SmolLM2-135M-Instruct: ~50 tokens, ~15% correct), so that a completion
-# has a middle (w2spo.py branches inside it).
+# "arith-steps": the same problems, worded so that a completion has a middle (w2spo.py branches)
 ARITH_STEPS_TEMPLATE = "What is {a} {op} {b}? Add them step by step, then give the final number."
+SYMBOLIC = True  # False: the exact tier only (numbers, structure, strings)
 
-# Guards that keep every check fast on adversarial input.
-MAX_ANSWER_CHARS = 10_000  # longer answers are only compared as plain strings
-MAX_DIGITS = 1_000  # longer numbers are compared as strings, never converted
-MAX_DEPTH = 20  # deeper nesting of tuples/sets is compared as a string
-MAX_PAIRS = 10_000  # element comparisons allowed for unordered collections
-
-# ----------------------------------------------------------------- extraction
-
-_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
-_BRACE_RE = re.compile(r"\\[{}]|[{}]")  # escaped braces (set notation) are skipped
-_SPACES_RE = re.compile(r"\s*")
-_TOKEN_RE = re.compile(r"[^\s$]+")
-_LAST_NUMBER_RE = re.compile(
-    r"""(?<![\w.])[-−+]?                          # not inside a word or number
-    (?: \\[dtc]?frac(?:\{\d+\}|\d)(?:\{\d+\}|\d)  # \frac{3}{4}, \frac34
-      | (?: \d{1,3}(?:(?:,|\{,\}|,\\!)\d{3})+     # 1,000 / 1{,}000 / 1,\!000
-          | \d+ ) (?:\.\d+)? (?:/\d+)?            # 12, 1.5, 3/4
-          (?: [eE][+-]?\d+(?!\w|\.\d)             # 3e5, 1.5E-3
-            | \s*(?:\\times|\\cdot|×)\s*10\^(?:\{[+-]?\d+\}|\d) )?  # 3 \times 10^{5}
-      | \.\d+ )                                   # .5
-    (?!\d)""",
-    re.VERBOSE,
-)
-
-
-def _boxed_content(text: str) -> str | None:
-    """Content of the last complete \\boxed{...}/\\fbox{...} or "\\boxed 5"."""
-    ends = [m.end() for m in _BOX_RE.finditer(text)]
-    if not ends:
-        return None
-    # One linear pass pairs every brace, so nesting depth costs no recursion
-    # and trying earlier boxes (when the last is unclosed) stays cheap.
-    closing, stack = {}, []
-    for m in _BRACE_RE.finditer(text, ends[0]):
-        if m.group() == "{":
-            stack.append(m.start())
-        elif m.group() == "}" and stack:
-            closing[stack.pop()] = m.start()
-    for end in reversed(ends):
-        i = _SPACES_RE.match(text, end).end()
-        if i < len(text) and text[i] == "{":
-            if i in closing:
-                return text[i + 1 : closing[i]].strip()
-        elif i > end:  # "\boxed 5": one token after whitespace
-            token = _TOKEN_RE.match(text, i)
-            if token and token.group().rstrip(".,;:"):
-                return token.group().rstrip(".,;:")
-    return None
-
-
-def extract_answer(text) -> str | None:
-    """The final answer of a completion: last \\boxed{}, else last number, else None."""
-    try:
-        text = "" if text is None else str(text)
-        boxed = _boxed_content(text)
-        if boxed is not None:
-            return boxed
-        last = None
-        for last in _LAST_NUMBER_RE.finditer(text):
-            pass
-        return None if last is None else last.group().replace("−", "-")
-    except Exception:  # a reward function must never crash a training run
-        return None
-
-
-# -------------------------------------------------------------- normalisation
-
-_UNICODE = {"−": "-", "∞": "\\infty ", "°": "", "≤": "\\le ", "≥": "\\ge ",
-            "≠": "\\ne ", "·": "\\cdot ", "×": "\\times ", "π": "\\pi ", "±": "\\pm ",
-            "\u00a0": " "}
-_SPACING_RE = re.compile(r"\\\\|\\!\s*|\\[,:; ]|\\q?quad(?![A-Za-z])|~|\{,\}")
-# "5\\text{ m}^2", "5 \\mathrm{cm}^{3}": a unit with an exponent after a number
-# (not \\mathrm{i}^2 or e^2, which are numbers); unit words alone are dropped later.
-_UNIT_POWER_RE = re.compile(
-    r"(?<=[\d}])\s*\\(?:text|textrm|mathrm|mbox)\s*\{\s*(?![ie]\s*\})[A-Za-z]{1,5}\s*\}"
-    r"\s*\^\s*(?:\{\s*-?\d\s*\}|-?\d)[\s.]*$")
-_TEXT_RE = re.compile(
-    r"\\(?:text(?:bf|it|rm|normal|tt|sf|up)?|math(?:rm|bf|it|sf|tt|bb|cal)|mbox"
-    r"|operatorname|boldsymbol)\s*\{([^{}]*)\}")
-_CLEANUPS = [  # (pattern, replacement), applied in order by _clean()
-    (r"(?<!\\)\\\\(?=(?:[dtc]?frac|sqrt)(?![A-Za-z]))", r"\\"),  # "\\frac" typo
-    (r"\\(?:left|right|[bB]ig[lr]?|displaystyle)(?![A-Za-z])\.?", ""),
-    (r"\\\$", ""), (r"\$|\\[()\[\]]", " "),  # currency, then math delimiters
-    (r"\^\s*\{?\s*\\circ\s*\}?|\\circ(?![A-Za-z])|\\degree(?![A-Za-z])", ""),
-    (r"\\?%", ""),  # "28\%" means 28 here, as in the labelled data
-    (r"\\[dtc]frac(?![A-Za-z])", r"\\frac"),
-    (r"\\frac\s*([^\s{}\\])\s*([^\s{}\\])", r"\\frac{\1}{\2}"),  # \frac12
-    (r"\\frac\s*([^\s{}\\])\s*\{", r"\\frac{\1}{"),  # \frac3{4}
-    (r"\\(frac|sqrt)\s+\{", r"\\\1{"),
-    (r"\\sqrt\s*([^\s{}\\\[])", r"\\sqrt{\1}"),  # \sqrt3, \sqrt 3
-    (r"\\geq?(?:slant)?(?![A-Za-z])", ">="), (r"\\leq?(?:slant)?(?![A-Za-z])", "<="),
-    (r"\\neq?(?![A-Za-z])", "!="), (r"\\gt(?![A-Za-z])", ">"), (r"\\lt(?![A-Za-z])", "<"),
-    (r"\\begin\{[bB]?matrix\}|[(\[]\s*\\begin\{array\}\{[^{}]*\}", r"\\begin{pmatrix}"),
-    (r"\\end\{[bB]?matrix\}|\\end\{array\}\s*[)\]]", r"\\end{pmatrix}"),
-    (r"(\d)\s*(?:\*|\\cdot)\s*(?=[A-Za-z])", r"\1"),  # 2*x -> 2x
-    (r" ?,? ?\b(?:and|or)\b ?", ","),  # "6 and 8", "(1,2) or (2,1)" are lists
-    (r";", ","),
-]
-_CLEANUPS = [(re.compile(p), r) for p, r in _CLEANUPS]
-
-
-def _spacing(m: re.Match) -> str:
-    # "\\\\" is a matrix row break, not spacing; "11,\\! 111" is one number.
-    tok = m.group()
-    return {"\\\\": tok, "{,}": ","}.get(tok, "" if tok.startswith("\\!") else " ")
-
-
-def _clean(s: str) -> str:
-    """Strip formatting from an answer; structure (brackets, commas) is kept."""
-    for old, new in _UNICODE.items():
-        s = s.replace(old, new)
-    s = re.sub(r"\s+", " ", s)  # single spaces keep every \s* below linear
-    s = _SPACING_RE.sub(_spacing, s)
-    s = _UNIT_POWER_RE.sub("", s)
-    for _ in range(5):  # \text{...} may be nested a few levels
-        s, count = _TEXT_RE.subn(r" \1 ", s)
-        if not count:
-            break
-    s = re.sub(r"\s+", " ", s)
-    for pattern, repl in _CLEANUPS:
-        s = pattern.sub(repl, s)
-    return re.sub(r"\s+", " ", s).strip().rstrip(" .\\").strip()
-
-
-def _squash(s: str) -> str:
-    """Drop spaces, except before a digit after a digit or comma: "1 2" must not
-    become "12", and "32, 349" is a list, not the number 32,349."""
-    return re.sub(r"(?<![\d,]) | (?!\d)", "", re.sub(r"\s+", " ", s.strip()))
-
-
-# -------------------------------------------------------------------- numbers
-
-_NUM_RE = re.compile(r"([+-]?)(\d{1,3}(?:,\d{3})+|\d{1,3}(?: \d{3})+|\d*)(?:\.(\d*))?")
-_RATIO_RES = [re.compile(r"\\frac\{([^{}]*)\}\{([^{}]*)\}"), re.compile(r"([\d.]+)/([+-]?[\d.]+)")]
-_MIXED_RE = re.compile(r"(\d+)\\frac\{(\d+)\}\{(\d+)\}")
-_POWER_RE = re.compile(r"(\d+)\^(?:\{(\d+)\}|(\d))")
-_SCI_RE = re.compile(  # 3e5, 3E+05, 3\times10^{5}, 3\cdot10^5, 3.0x10^5, 10^{-3}
-    r"(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d{1,9})"
-    r"|(?:(\d+(?:\.\d*)?|\.\d+)(?:\\times|\\cdot|\*|x))?10\^(?:\{([+-]?\d{1,9})\}|(\d))")
-_UNIT_EXP_RE = re.compile(r"(?<=[A-Za-z]{2}) ?\^ ?(?:\{ ?-?\d ?\}|-?\d)$")
-_NOT_UNITS = {"pi", "inf", "infty", "infinity", "sqrt", "sin", "cos", "tan", "cot",
-              "sec", "csc", "log", "ln", "exp", "mod", "pmod", "and", "or", "times",
-              "cdot", "is", "to", "i", "e"}
-
-
-def _plain_number(t: str) -> Fraction | None:
-    """Integer or decimal with optional sign and thousands separators."""
-    m = _NUM_RE.fullmatch(t)
-    if not m:
-        return None
-    whole, frac = re.sub("[ ,]", "", m.group(2)), m.group(3) or ""
-    if not (whole or frac) or len(whole) + len(frac) > MAX_DIGITS:
-        return None  # huge numbers stay strings: int() of them is slow or refused
-    value = Fraction(int(whole or "0") * 10 ** len(frac) + int(frac or "0"), 10 ** len(frac))
-    return -value if m.group(1) == "-" else value
-
-
-def _strip_units(t: str, exponent: bool = True) -> str:
-    """'5 apples' -> '5': drop trailing words (2+ letters, after a space);
-    the last may carry an exponent: '5 cm^2' -> '5'."""
-    bare = _UNIT_EXP_RE.sub("", t) if exponent else t
-    if bare != t:  # the exponent goes only with the unit word it follows
-        stripped = _strip_units(bare, exponent=False)
-        return stripped if stripped != bare else t
-    i = len(t)
-    while i and (t[i - 1] == " " or (t[i - 1].isascii() and t[i - 1].isalpha())):
-        i -= 1
-    words = t[i:].split()
-    if not words or not t[i:].startswith(" ") or t[i - 1 : i] == "\\":
-        return t
-    if len(words[0]) < 2 or any(w.lower() in _NOT_UNITS for w in words):
-        return t
-    return t[:i].rstrip()
-
-
-def _number(s: str) -> Fraction | None:
-    """Exact value of a numeric answer, or None when it is not a plain number."""
-    t = _strip_units(s.strip())
-    value = _plain_number(t)  # before squashing, so "1 000" stays one number
-    t = _squash(t)
-    if value is not None or " " in t:
-        return value
-    sign, t = (-1, t[1:]) if t.startswith("-") else (1, t.lstrip("+"))
-    value = _plain_number(t)  # "- 5" once squashed
-    if value is not None:
-        return sign * value
-    for ratio in _RATIO_RES:  # \frac{a}{b} and a/b
-        if m := ratio.fullmatch(t):
-            num, den = _plain_number(m.group(1)), _plain_number(m.group(2))
-            return sign * num / den if num is not None and den else None
-    if m := _MIXED_RE.fullmatch(t):  # 918\frac{1}{2} is a mixed number
-        whole, num, den = (_plain_number(g) for g in m.groups())
-        ok = whole is not None and num is not None and den and num < den
-        return sign * (whole + num / den) if ok else None
-    if m := _SCI_RE.fullmatch(t):  # scientific notation: an exact number too
-        mantissa = _plain_number(m.group(1) or m.group(3) or "1")
-        exp = int(m.group(2) or m.group(4) or m.group(5))
-        if mantissa is not None and abs(exp) <= MAX_DIGITS:  # 1e1000000 stays a string
-            return sign * mantissa * Fraction(10) ** exp
-    if m := _POWER_RE.fullmatch(t):  # 2^3 == 8, but 10^{1000000} stays a string
-        exp = int((m.group(2) or m.group(3))[:9])
-        if len(m.group(1)) <= MAX_DIGITS and len(m.group(1)) * exp <= MAX_DIGITS:
-            return sign * Fraction(int(m.group(1)) ** exp)
-    return None
-
-
-# ------------------------------------------------------------------ structure
-
-
-def _split_top(s: str, sep: str) -> list[str]:
-    """Split at `sep` outside brackets; an unbalanced string is not split."""
-    parts, depth, start, i = [], 0, 0, 0
-    while i < len(s):
-        c = s[i]
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-            if depth < 0:
-                return [s]
-        elif depth == 0 and s.startswith(sep, i) and not (
-                sep[-1].isalpha() and s[i + len(sep) : i + len(sep) + 1].isalpha()):
-            parts.append(s[start:i])
-            start = i = i + len(sep)
-            continue
-        i += 1
-    return [s] if depth else parts + [s[start:]]
-
-
-def _enclosed(s: str):
-    """(open, body, close) when one bracket pair wraps the whole string."""
-    opening = "\\{" if s.startswith("\\{") and s.endswith("\\}") else s[:1]
-    closing = "\\}" if opening == "\\{" else s[-1:]
-    if (len(s) < 2 * len(opening) or opening not in ("(", "[", "{", "\\{")
-            or closing[-1] not in ")]}" or (opening[-1] == "{") != (closing[-1] == "}")):
-        return None
-    depth = 0
-    for i, c in enumerate(s):
-        depth += (c in "([{") - (c in ")]}")
-        if depth <= 0 and len(opening) - 1 <= i < len(s) - 1:
-            return None  # "(1,2) \cup (3,4)": the first bracket closes early
-    return (opening, s[len(opening) : -len(closing)], closing) if depth == 0 else None
-
-
-def _is_name(lhs: str) -> bool:
-    """A variable-like left-hand side: x, f(x), (p,q), a_{3}, |AB|, A:B."""
-    t = re.sub(r"_\{[^{}]*\}|_\w", "", lhs).replace(" ", "")
-    return bool(re.fullmatch(r"[A-Za-z\\{}()|:,']+", t)) and bool(re.search("[A-Za-z]", t))
-
-
-def _relation(s: str):
-    """(lhs, rel, rhs) for a single top-level '=', '\\in' or '\\approx'."""
-    found, depth = [], 0
-    for i, c in enumerate(s):
-        depth += (c in "([{") - (c in ")]}")
-        if depth:
-            continue
-        if c in "<>":
-            return None  # an inequality: keep it whole
-        if c == "=" and s[i - 1 : i] not in ("!", "=") and s[i + 1 : i + 2] != "=":
-            found.append((i, 1, "="))
-        elif c == "\\":
-            for rel in ("\\in", "\\approx"):
-                nxt = s[i + len(rel) : i + len(rel) + 1]
-                if s.startswith(rel, i) and not nxt.isalpha():
-                    found.append((i, len(rel), rel))
-    if len(found) != 1:
-        return None
-    i, n, rel = found[0]
-    lhs, rhs = s[:i].strip(), s[i + n :].strip()
-    return (lhs, rel, rhs) if lhs and rhs else None
-
-
-def _parse(s: str, depth: int = 0):
-    """Turn a cleaned answer into a small tree of tagged tuples for _same()."""
-    s = s.strip().rstrip(" .").strip()
-    if not s:
-        return None
-    if depth > MAX_DEPTH:
-        return ("str", _squash(s), None)
-    value = _number(s)
-    if value is not None:
-        return ("num", value, s)
-    rel = _relation(s)
-    if rel:
-        lhs, op, rhs = rel
-        if op == "\\approx":  # "x \approx 11" -> 11; "\frac{1}{3} \approx 0.33" -> 1/3
-            return _parse(rhs if _is_name(lhs) else lhs, depth + 1)
-        if _is_name(lhs):  # "x = 5" and "5" are the same answer
-            return ("eq", _squash(lhs), _parse(rhs, depth + 1), s)
-    for tag, sep in (("union", "\\cup"), ("list", ",")):
-        parts = _split_top(s, sep)
-        if len(parts) > 1:
-            return (tag, [_parse(p, depth + 1) for p in parts])
-    if s.startswith("\\pm") and not s[3:4].isalpha():
-        value = _number(s[3:])
-        if value is not None:  # "\pm 2" is the set {-2, 2}, never just 2
-            return ("list", [("num", -value, None), ("num", value, None)])
-    wrapped = _enclosed(s)
-    if wrapped:
-        opening, body, closing = wrapped
-        items = _split_top(body, ",")
-        if opening == "\\{" or (opening == "{" and len(items) > 1):
-            return ("list", [_parse(p, depth + 1) for p in items])  # a set
-        if len(items) > 1:  # tuple or interval: order and brackets matter
-            return ("seq", opening + closing, [_parse(p, depth + 1) for p in items])
-        if opening + closing in ("()", "{}"):  # redundant grouping: "(C)" is "C"
-            return _parse(body, depth + 1)
-    t = _squash(s)
-    if t.count("<") == 2 and ">" not in t and "!" not in t:  # a < x < b
-        m = re.fullmatch(r"([^<]+)<(=?)([^<=][^<]*)<(=?)([^<=][^<]*)", t)
-        if m and _is_name(m.group(3)):
-            ends = ("[" if m.group(2) else "(") + ("]" if m.group(4) else ")")
-            return ("seq", ends, [_parse(m.group(1), depth + 1), _parse(m.group(5), depth + 1)])
-    m = re.fullmatch(r"\\begin\{pmatrix\}(.*)\\end\{pmatrix\}", t)
-    if m:
-        rows = [r for r in m.group(1).split("\\\\") if r]
-        return ("matrix", [[_parse(c, depth + 1) for c in r.split("&")] for r in rows])
-    return ("str", _canonical(t), s)
-
-
-def _canonical(t: str) -> str:
-    """Final string form: no leading '+', and 'a > b' written as 'b < a'."""
-    t = (t[1:] if t.startswith("+") else t).replace(", ", ",")
-    rels = re.findall(r"<=|>=|!=|<|>", t)
-    if len(rels) == 1 and rels[0][0] == ">":
-        lhs, rhs = t.split(rels[0], 1)
-        t = rhs + "<" + rels[0][1:] + lhs
-    return t
-
-
-def _same(a, b) -> bool:
-    if a is None or b is None:
-        return False
-    if a[0] == "eq" or b[0] == "eq":
-        if a[0] == b[0]:  # both name a variable: the names must agree too
-            same = a[1] == b[1] and _same(a[2], b[2])
-        else:
-            same = _same(a[2], b) if a[0] == "eq" else _same(a, b[2])
-        return same or _symbolic_same(a, b)  # y = 2x is the line 2x - y = 0
-    if a[0] != b[0]:
-        return {a[0], b[0]} == {"num", "str"} and _symbolic_same(a, b)
-    if a[0] in ("num", "str"):
-        return a[1] == b[1] or _symbolic_same(a, b)
-    if a[0] == "seq":
-        return a[1] == b[1] and len(a[2]) == len(b[2]) and all(map(_same, a[2], b[2]))
-    if a[0] == "matrix":
-        return [len(r) for r in a[1]] == [len(r) for r in b[1]] and all(
-            all(map(_same, ra, rb)) for ra, rb in zip(a[1], b[1]))
-    # "list" (sets, bare lists, \pm) and "union": order and repeats don't matter
-    xs, ys = a[1], b[1]
-    if len(xs) * len(ys) > MAX_PAIRS:
-        return False
-    return all(any(_same(x, y) for y in ys) for x in xs) and all(
-        any(_same(x, y) for x in xs) for y in ys)
-
-
-# ------------------------------------------------------------- symbolic tier
-#
-# An answer that is not a plain number is read into an exact rational function:
-# numerator and denominator are polynomials whose terms are
-#     coefficient (a Fraction) * sqrt(radicand) * monomial,
-# stored as {(monomial, radicand): coefficient}, the radicand a square-free
-# integer and the monomial a sorted tuple of (atom, exponent). Square roots of
-# distinct square-free integers are linearly independent over the rationals, so
-# this form is canonical: 2\sqrt{2}, \sqrt{8} and \frac{4}{\sqrt{2}} all become
-# {((), 2): 2}. Atoms (x, \pi, F_{n}, f(x), \sin(x), a nested root) are free
-# symbols, so an identity found here holds whatever value they stand for: the
-# tier can miss an equivalence (i^2, sin 2x, \sqrt{x}^2), it cannot invent one. The one
-# identity added is sin^2 + cos^2 = 1 (see _pythagoras). Two deliberate refusals
-# keep it from rewarding unfinished work, see _symbolic_leaves.
-
-SYMBOLIC = True  # False: only the exact number/structure rules above
-MAX_SYMBOLIC_CHARS = 300  # longer answers are not read symbolically
-MAX_TERMS = 100  # terms in one polynomial (so (a+b+c)^32 is refused)
-MAX_POWER = 32  # largest integer exponent that is expanded
-MAX_RADICAND = 10**12  # \sqrt{n} is simplified by trial division up to n^(1/3)
-MAX_BITS = 4_000  # size of a coefficient's numerator or denominator
-MAX_WORK = 100_000  # term products per answer, and per comparison
-APPROX_DIGITS = 12  # a decimal this precise may stand for an irrational value
-
-_GREEK = frozenset(
-    "alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu "
-    "nu xi pi rho sigma tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Pi "
-    "Sigma Phi Psi Omega".split())
-_FUNCTIONS = frozenset(
-    "sin cos tan sec csc cot arcsin arccos arctan sinh cosh tanh log ln lg exp".split())
-_SYM_TOKEN_RE = re.compile(
-    r"\s*(?:(\d+(?:\.\d*)?|\.\d+)"  # number
-    r"|\\([A-Za-z]+)"  # command
-    r"|([A-Za-z]+(?:_(?:\{[^{}]*\}|[A-Za-z0-9]))?)"  # word, with a subscript: F_{n-1}
-    r"|(<=|>=|[-+*/^(){}\[\]=<>_]))")  # operator
-_DECIMAL_RE = re.compile(r"[+-]?\d*\.\d+")
-_ONE = ((), 1)  # the key of the constant term
-_POLY_ONE = {_ONE: Fraction(1)}  # the polynomial 1 (never modified in place)
-
-
-class _Unsupported(Exception):
-    """Raised inside the symbolic reader: the answer stays outside the tier."""
-
-
-def _check(p: dict) -> dict:
-    if len(p) > MAX_TERMS:
-        raise _Unsupported("too many terms")
-    for (_, rad), c in p.items():
-        if (c.numerator.bit_length() > MAX_BITS or c.denominator.bit_length() > MAX_BITS
-                or rad.bit_length() > 256):
-            raise _Unsupported("coefficient too large")
-    return p
-
-
-def _const(q) -> dict:
-    return {_ONE: Fraction(q)} if q else {}
-
-
-def _scale(p: dict, q: Fraction) -> dict:
-    return _check({k: c * q for k, c in p.items()}) if q else {}
-
-
-def _add(p: dict, q: dict, sign: int = 1) -> dict:
-    out = dict(p)
-    for k, c in q.items():
-        c = out.get(k, 0) + sign * c
-        if c:
-            out[k] = c
-        else:
-            out.pop(k, None)
-    return _check(out)
-
-
-def _mul(p: dict, q: dict, work: list) -> dict:
-    work[0] += len(p) * len(q)
-    if work[0] > MAX_WORK:
-        raise _Unsupported("too much work")
-    out = {}
-    for (m1, r1), c1 in p.items():
-        for (m2, r2), c2 in q.items():
-            # sqrt(r1)*sqrt(r2) = g*sqrt(r1*r2/g^2): square-free again, no factoring
-            g = math.gcd(r1, r2)
-            mono = dict(m1)
-            for atom, e in m2:
-                mono[atom] = mono.get(atom, 0) + e
-            key = (tuple(sorted(mono.items())), (r1 // g) * (r2 // g))
-            c = out.get(key, 0) + c1 * c2 * g
-            if c:
-                out[key] = c
-            else:
-                out.pop(key, None)
-    return _check(_pythagoras(out))
-
-
-def _pythagoras(p: dict) -> dict:
-    """Rewrite sin(u)^2 as 1 - cos(u)^2 until every sine has exponent 0 or 1: the
-    unique form of p modulo sin^2 + cos^2 = 1, so sec^2 and tan^2 + 1 agree."""
-    if not any(e > 1 and a.startswith("\\sin(") for (mono, _) in p for a, e in mono):
-        return p
-    out, todo = {}, list(p.items())
-    while todo:
-        (mono, rad), c = todo.pop()
-        powers = dict(mono)
-        sine = next((a for a, e in mono if e > 1 and a.startswith("\\sin(")), None)
-        if sine is None:
-            out = _add(out, {(mono, rad): c})
-            continue
-        powers[sine] -= 2
-        cosine = "\\cos(" + sine[len("\\sin("):]
-        rest = tuple(sorted((a, e) for a, e in powers.items() if e))
-        powers[cosine] = powers.get(cosine, 0) + 2
-        todo += [((rest, rad), c), ((tuple(sorted((a, e) for a, e in powers.items() if e)), rad), -c)]
-        if len(todo) > MAX_TERMS:
-            raise _Unsupported("too many terms")
-    return out
-
-
-@functools.lru_cache(maxsize=1024)
-def _square_free(n: int) -> tuple[int, int]:
-    """(a, b) with n == a*a*b and b square-free; n <= MAX_RADICAND."""
-    if n > MAX_RADICAND:
-        raise _Unsupported("radicand too large")
-    outside, inside, p = 1, 1, 2
-    while p * p * p <= n:  # every prime up to the cube root ...
-        if n % p == 0:
-            e = 0
-            while n % p == 0:
-                n, e = n // p, e + 1
-            outside, inside = outside * p ** (e // 2), inside * p ** (e % 2)
-        p += 1 if p == 2 else 2
-    # ... leaves 1, q, q*r or q*q, with q and r primes above it
-    root = math.isqrt(n)
-    return (outside * root, inside) if root * root == n else (outside, inside * n)
-
-
-def _rat(v):
-    """The value as a Fraction when it is a rational constant, else None."""
-    num, den = v
-    if not num:
-        return Fraction(0)
-    k = next(iter(den))
-    if k not in num:
-        return None
-    c = num[k] / den[k]
-    return c if num == _scale(den, c) else None
-
-
-def _is_const(v) -> bool:
-    return all(mono == () for p in v for mono, _ in p)
-
-
-def _key(v) -> str:
-    """A fixed spelling of a value, used to name atoms such as \\sqrt{x+1}."""
-    num, den = v
-    q = _rat((den, _POLY_ONE))  # a rational denominator is folded in
-    if q is not None:
-        num, den = _scale(num, 1 / q), _POLY_ONE
-    return repr((sorted(num.items()), sorted(den.items())))
-
-
-class _Reader:
-    """Recursive descent over one cleaned answer: relation, sum, product, power."""
-
-    def __init__(self, text: str):
-        self.toks, i, text = [], 0, text.strip()
-        while i < len(text):
-            m = _SYM_TOKEN_RE.match(text, i)
-            if not m or m.end() == i:
-                raise _Unsupported(f"unexpected {text[i:i + 10]!r}")
-            kind = ("num", "cmd", "word", "op")[m.lastindex - 1]
-            self.toks.append((kind, m.group(m.lastindex)))
-            i = m.end()
-        self.i, self.depth, self.work = 0, 0, [0]
-
-    def peek(self):
-        return self.toks[self.i] if self.i < len(self.toks) else (None, None)
-
-    def take(self, kind=None, value=None):
-        tok = self.peek()
-        if tok[0] is None or kind not in (None, tok[0]) or value not in (None, tok[1]):
-            raise _Unsupported(f"expected {value or kind}, got {tok[1]!r}")
-        self.i += 1
-        return tok
-
-    def accept(self, value) -> bool:
-        if self.peek() == ("op", value):
-            self.i += 1
-            return True
-        return False
-
-    def sign(self) -> int:
-        if self.accept("-"):
-            return -1
-        self.accept("+")
-        return 1
-
-    # values are (numerator, denominator) pairs of polynomials
-    def add(self, a, b, sign=1):
-        if a[1] == b[1]:
-            return _add(a[0], b[0], sign), a[1]
-        return (_add(_mul(a[0], b[1], self.work), _mul(b[0], a[1], self.work), sign),
-                _mul(a[1], b[1], self.work))
-
-    def mul(self, a, b):
-        return _mul(a[0], b[0], self.work), _mul(a[1], b[1], self.work)
-
-    def div(self, a, b):
-        if not b[0]:
-            raise _Unsupported("division by zero")
-        return _mul(a[0], b[1], self.work), _mul(a[1], b[0], self.work)
-
-    def power(self, v, k: int):
-        if k < 0:
-            v, k = self.div((_POLY_ONE, _POLY_ONE), v), -k
-        if k > MAX_POWER or (k == 0 and not v[0]):
-            raise _Unsupported("exponent")
-        out = (_POLY_ONE, _POLY_ONE)
-        while k:  # square and multiply
-            if k & 1:
-                out = self.mul(out, v)
-            k >>= 1
-            if k:
-                v = self.mul(v, v)
-        return out
-
-    def relation(self):
-        lhs, op, rhs = self.sum(), None, None
-        kind, val = self.peek()
-        if kind == "op" and val in ("=", "<", ">", "<=", ">="):
-            self.i += 1
-            op, rhs = val, self.sum()
-        if self.peek()[0] is not None:
-            raise _Unsupported(f"trailing {self.peek()[1]!r}")
-        return op, lhs, rhs
-
-    def sum(self):
-        self.depth += 1
-        if self.depth > MAX_DEPTH:
-            raise _Unsupported("too deep")
-        sign = self.sign()
-        value = self.product()
-        if sign == -1:
-            value = (_scale(value[0], Fraction(-1)), value[1])
-        while self.peek() in (("op", "+"), ("op", "-")):
-            sign = 1 if self.take()[1] == "+" else -1
-            value = self.add(value, self.product(), sign)
-        self.depth -= 1
-        return value
-
-    def starts_factor(self) -> bool:
-        kind, val = self.peek()
-        return kind in ("num", "word") or (kind == "cmd" and val not in ("cdot", "times")) or (
-            kind == "op" and val in "({")
-
-    def product(self):
-        value = self.factor()
-        while True:
-            tok = self.peek()
-            if tok in (("op", "*"), ("cmd", "cdot"), ("cmd", "times")):
-                self.i += 1
-                value = self.mul(value, self.factor())
-            elif tok == ("op", "/"):
-                self.i += 1
-                value = self.div(value, self.atom_power())
-                if self.starts_factor():
-                    raise _Unsupported("1/2x is ambiguous")
-            elif self.starts_factor():
-                if tok[0] == "num":
-                    raise _Unsupported("x2, 2 3: a number after a factor is no product")
-                if tok == ("cmd", "frac") and self.toks[self.i - 1][0] == "num":
-                    raise _Unsupported("3\\frac{1}{2} is a mixed number, not a product")
-                value = self.mul(value, self.factor())
-            else:
-                return value
-
-    def factor(self):
-        if self.accept("-"):
-            value = self.factor()
-            return _scale(value[0], Fraction(-1)), value[1]
-        self.accept("+")
-        return self.atom_power()
-
-    def atom_power(self):
-        value = self.primary()
-        if self.accept("^"):
-            value = self.power(value, self.exponent())
-        return value
-
-    def exponent(self) -> int:
-        if self.accept("{"):
-            sign = self.sign()
-            digits = self.take("num")[1]
-            self.take("op", "}")
-        else:  # x^23 is x^2 * 3 in LaTeX: only one digit binds
-            sign, digits = 1, self.take("num")[1]
-            if len(digits) != 1:
-                raise _Unsupported("x^23 is ambiguous")
-        if not digits.isdigit() or len(digits) > 3:
-            raise _Unsupported("non-integer exponent")
-        return sign * int(digits)
-
-    def braced(self):
-        self.take("op", "{")
-        value = self.sum()
-        self.take("op", "}")
-        return value
-
-    def raw(self) -> str:
-        """A group's tokens as written, e.g. the bounds of a sum."""
-        if not self.accept("{"):
-            return self.take()[1]
-        out, depth = [], 1
-        while depth:
-            kind, val = self.take()
-            if kind == "op" and val in "{}":
-                depth += 1 if val == "{" else -1
-            out.append(val)
-        return "{" + " ".join(out)
-
-    def atom(self, name: str):
-        return {(((name, 1),), 1): Fraction(1)}, _POLY_ONE
-
-    def primary(self):
-        kind, val = self.take()
-        if kind == "num":
-            if len(val) > MAX_DIGITS:
-                raise _Unsupported("number too long")
-            return _const(Fraction(val)), _POLY_ONE
-        if kind == "word":
-            if self.peek() == ("op", "("):  # f(x) is a function, never f*x
-                self.i += 1
-                arg = self.sum()
-                self.take("op", ")")
-                return self.atom(f"{val}({_key(arg)})")
-            return self.atom(val)
-        if kind == "op" and val in "({":
-            value = self.sum()
-            self.take("op", ")" if val == "(" else "}")
-            return value
-        if kind == "cmd" and val == "sqrt":
-            if self.accept("["):
-                if self.take("num")[1] != "2":
-                    raise _Unsupported("only square roots")
-                self.take("op", "]")
-            return self.sqrt(self.braced())
-        if kind == "cmd" and val == "frac":
-            return self.div(self.braced(), self.braced())
-        if kind == "cmd" and val in _GREEK:
-            return self.atom("\\" + val)
-        if kind == "cmd" and val in ("sum", "prod"):  # the bounds name it, the body follows
-            bounds = "".join(op + self.raw() for op in "_^" if self.accept(op))
-            return self.atom(f"\\{val}{bounds}({_key(self.product())})")
-        if kind == "cmd" and val in _FUNCTIONS:
-            k = self.exponent() if self.accept("^") else 1
-            if self.peek() not in (("op", "("), ("op", "{")) or k < 1:
-                raise _Unsupported("a function needs a bracketed argument")
-            close = ")" if self.take()[1] == "(" else "}"
-            arg = _key(self.sum())
-            self.take("op", close)
-            sin, cos = self.atom(f"\\sin({arg})"), self.atom(f"\\cos({arg})")
-            value = {"sec": (_POLY_ONE, cos[0]), "csc": (_POLY_ONE, sin[0]), "tan": (sin[0], cos[0]),
-                     "cot": (cos[0], sin[0])}.get(val) or self.atom(f"\\{val}({arg})")
-            return self.power(value, k)
-        raise _Unsupported(f"unknown {val!r}")
-
-    def sqrt(self, v):
-        q = _rat(v)
-        if q is None:  # \sqrt{x+1}, \sqrt{\sqrt{2}+1}: an atom named by its content
-            return self.atom(f"\\sqrt{{{_key(v)}}}")
-        if q < 0:
-            raise _Unsupported("square root of a negative number")
-        # sqrt(p/q) = sqrt(p*q)/q, and sqrt(p*q) = a*sqrt(b) with b square-free
-        outside, inside = _square_free(q.numerator * q.denominator)
-        return {((), inside): Fraction(outside, q.denominator)} if q else {}, _POLY_ONE
-
-
-@functools.lru_cache(maxsize=4096)
-def _symbolic(text: str):
-    """("expr", value) or ("rel", op, D) with D < 0, D <= 0 or D = 0; None when
-    the answer is outside the tier (see _Reader)."""
-    if not text or len(text) > MAX_SYMBOLIC_CHARS:
-        return None
-    try:
-        reader = _Reader(text)
-        op, lhs, rhs = reader.relation()
-        if op is None:
-            return ("expr", lhs)
-        if op in (">", ">="):  # a > b is b < a
-            op, lhs, rhs = "<" + op[1:], rhs, lhs
-        num, den = reader.add(lhs, rhs, -1)
-        q = _rat((den, _POLY_ONE))
-        if q is None:  # x/y = 1 is not y-x = 0 where y = 0: keep denominators constant
-            return None
-        return ("rel", op, _scale(num, 1 / q))
-    except (_Unsupported, ValueError, ZeroDivisionError, RecursionError):
-        return None
-
-
-def _atoms(p: dict) -> set:
-    return {atom for mono, _ in p for atom, _ in mono}
-
-
-def _approx(p: dict, digits: int = 60) -> Fraction:
-    """A constant polynomial's value to about `digits` decimals."""
-    scale = 10 ** digits
-    return sum((c * Fraction(math.isqrt(r * scale * scale), scale) for (_, r), c in p.items()),
-               Fraction(0))
-
-
-def _terminates(q: Fraction) -> bool:
-    """Whether q has a finite decimal expansion (its denominator is 2^i 5^j)."""
-    den = q.denominator
-    for p in (2, 5):
-        while den % p == 0:
-            den //= p
-    return den == 1
-
-
-def _approx_same(a, b) -> bool:
-    """A long decimal (a) against an exact value without a finite decimal expansion
-    (b: 1/12, \\sqrt{17}): equal to within one unit in the decimal's last place, as
-    a printed float is (0.0833333333333333 for 1/12). 0.125000000001 is never 1/8."""
-    if a[0] != "num" or b[0] not in ("num", "str") or not (a[2] and b[2]):
-        return False
-    text = _squash(a[2])
-    if not _DECIMAL_RE.fullmatch(text) or _DECIMAL_RE.fullmatch(_squash(b[2])):
-        return False
-    if len(re.sub(r"\D", "", text).lstrip("0")) < APPROX_DIGITS:
-        return False  # 0.333 is not 1/3
-    if b[0] == "num":
-        value = b[1]
-    else:
-        sym = _symbolic(b[2])
-        if not sym or sym[0] != "expr" or not _is_const(sym[1]):
-            return False
-        value = _rat(sym[1])
-    if value is not None and _terminates(value):
-        return False
-    if value is None:  # irrational: to 60 decimals, far below the tolerance
-        den = _approx(sym[1][1])
-        if abs(den) < Fraction(1, 10**20):
-            return False
-        value = _approx(sym[1][0]) / den
-    return abs(a[1] - value) <= Fraction(1, 10 ** len(text.split(".")[1]))
-
-
-def _proportional(p: dict, q: dict):
-    """c with p == c*q (a rational), or None."""
-    if not p or not q:
-        return None
-    k = next(iter(q))
-    c = p.get(k, 0) / q[k]
-    return c if c and p == _scale(q, c) else None
-
-
-def _symbolic_same(a, b) -> bool:
-    """Leaves a and b (num, str or eq) that the exact rules found different."""
-    if not SYMBOLIC or a[0] not in ("num", "str", "eq") or b[0] not in ("num", "str", "eq"):
-        return False
-    if a[0] == b[0] == "eq" and a[1] == b[1]:
-        return False  # x = 5 vs x = \sqrt{25}: the right-hand sides were compared
-    try:
-        return _symbolic_leaves(a, b)
-    except _Unsupported:  # a guard tripped while comparing: not shown equal
-        return False
-
-
-def _symbolic_leaves(a, b) -> bool:
-    if _approx_same(a, b) or _approx_same(b, a):
-        return True
-    if "num" in (a[0], b[0]) or not (a[-1] and b[-1]):
-        return False  # a plain number is only ever equal to an exact number
-    x, y = _symbolic(a[-1]), _symbolic(b[-1])
-    if not x or not y or x[0] != y[0]:
-        return False
-    if x[0] == "expr":
-        (n1, d1), (n2, d2), work = x[1], y[1], [0]
-        same = n1 == n2 if d1 == d2 else _mul(n1, d2, work) == _mul(n2, d1, work)
-        # Refusal 1: a rational value written as arithmetic (2+3, \sqrt{4}, 2\cdot 3)
-        # is not the number 5 or 2 or 6: "What is 2+3?" must not be answered "2+3".
-        return same and _rat(x[1]) is None
-    # Relations: D1 = c*D2 with c > 0 (c != 0 for an equation: both sides may swap).
-    (op1, p1), (op2, p2) = x[1:], y[1:]
-    c = _proportional(p1, p2)
-    if op1 != op2 or c is None or not _atoms(p1):
-        return False
-    if len(_atoms(p1) | _atoms(p2)) == 1:
-        # Refusal 2: in one unknown, 2x = 10 is the question and x = 5 its answer,
-        # so only a rewriting that keeps the scale counts (5 = x, -x > -1 for x < 1).
-        return c == 1 or (op1 == "=" and c == -1)
-    return c > 0 or op1 == "="
-
-
-def _unbox(s: str) -> str:
-    """Gold answers are sometimes stored as \\boxed{...}: compare the content."""
-    inner = _boxed_content(s) if "\\boxed" in s or "\\fbox" in s else None
-    return s if inner is None else inner
-
-
-def is_equiv(pred, gold) -> bool:
-    """Whether two final answers are the same (exactly; see the module docstring)."""
-    try:
-        pred, gold = ("" if x is None else str(x) for x in (pred, gold))
-        if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
-            a, b = "".join(pred.split()), "".join(gold.split())
-            return bool(a) and a == b
-        a, b = _clean(_unbox(pred)), _clean(_unbox(gold))
-        if not a or not b:
-            return False  # an empty answer never matches, not even an empty gold
-        if _squash(a) == _squash(b):
-            return True
-        return _same(_parse(a), _parse(b))
-    except Exception:  # never crash training; fall back to an exact comparison
-        try:
-            return bool(str(pred).strip()) and str(pred).strip() == str(gold).strip()
-        except Exception:
-            return False
-
-
+# ----------------------------------------------------------------------------- public API
 def reward(completion, gold) -> float:
-    """1.0 when the completion's final answer matches `gold`, else 0.0."""
+    r"""1.0 when the completion's final answer is equivalent to `gold`, else 0.0.
+
+    >>> reward(r"so $\boxed{5}$.", "5"), reward("2 + 3 = 5", "5"), reward(r"\boxed{2 + 3}", "5")
+    (1.0, 1.0, 0.0)
+    """
     answer = extract_answer(completion)
     return 1.0 if answer is not None and is_equiv(answer, gold) else 0.0
 
-
 def feedback(completion, gold) -> str:
-    """One sentence on the final answer; it never quotes the gold answer."""
+    """One sentence on the final answer, for a model to read ("The final answer 12 is
+    incorrect."); it never quotes `gold`."""
     try:
         answer = extract_answer(completion)
         if answer is None:
             return "No final answer was found; end with the answer in \\boxed{}."
-        shown = " ".join(answer.split())
-        if not shown:
+        if not (text := " ".join(answer.split())):
             return "The final answer is empty; put the answer inside \\boxed{}."
-        if len(shown) > 50:
-            shown = shown[:47] + "..."
-        verdict = "correct" if is_equiv(answer, gold) else "incorrect"
-        return f"The final answer {shown} is {verdict}."
+        text = text if len(text) <= 50 else text[:47] + "..."
+        return f"The final answer {text} is {'correct' if is_equiv(answer, gold) else 'incorrect'}."
     except Exception:
         return "The final answer could not be checked."
 
+def extract_answer(text) -> str | None:
+    r"""The final answer: the last complete \boxed{}, else the last number, else None.
 
-# ---------------------------------------------------------------- evaluation
+    >>> extract_answer(r"\boxed{1}, no: \boxed{\frac{1}{2}}"), extract_answer("so 3e5 m.")
+    ('\\frac{1}{2}', '3e5')
+    """
+    try:
+        text = "" if text is None else str(text)
+        if (boxed := _boxed_content(text)) is not None:
+            return boxed
+        numbers = _LAST_NUMBER_RE.findall(text)
+        return numbers[-1].replace("−", "-") if numbers else None
+    except Exception:  # a reward function must never crash a training run
+        return None
 
+def is_equiv(pred, gold) -> bool:
+    r"""Whether two final answers are the same (the tiers are in the module docstring).
+
+    >>> is_equiv(".5", r"\frac12"), is_equiv(r"x = 5\text{ cm}", "5"), is_equiv("(1,2)", "(2,1)")
+    (True, True, False)
+    >>> is_equiv(r"\sqrt{8}", r"2\sqrt{2}"), is_equiv("2+3", "5"), is_equiv("y = 2x", "2x - y = 0")
+    (True, False, True)
+    """
+    try:
+        pred, gold = ("" if x is None else str(x) for x in (pred, gold))
+        if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
+            return bool(a := "".join(pred.split())) and a == "".join(gold.split())
+        a, b = _clean(pred), _clean(gold)  # an empty answer never matches, not even an empty gold
+        return bool(a and b) and (_squash(a) == _squash(b) or _same(_parse(a), _parse(b)))
+    except Exception:  # never crash training; fall back to an exact comparison
+        same = isinstance(pred, str) and isinstance(gold, str) and pred.strip() == gold.strip()
+        return same and bool(pred.strip())
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct (Chen et al., 2021).
+    """Unbiased pass@k from n samples of which c are correct (Chen et al., 2021):
+    1 - C(n-c, k) / C(n, k), computed as a product so that a large n cannot overflow.
 
-    1 - C(n-c, k) / C(n, k), computed as a product so large n cannot overflow.
+    >>> pass_at_k(4, 1, 2)  # 1 - C(3,2)/C(4,2): half of the pairs hold the correct sample
+    0.5
     """
     try:
         n, c, k = (operator.index(x) for x in (n, c, k))
@@ -970,61 +119,51 @@ def pass_at_k(n: int, c: int, k: int) -> float:
         return 1.0  # every k-subset contains a correct sample
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
-
-# ------------------------------------------------------------------- problems
-
-_ARITH_FNS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
-
-
 def load_problems(spec, split="train", n=None, seed=0, *,
                   question_field="question", answer_field="answer") -> list[dict]:
     """Problems as [{"question": str, "answer": str}].
 
-    spec "arith" (or "arith:MIN-MAX"): the synthetic arithmetic task. Operand
-    pairs are assigned to train or test by a fixed hash, so the splits are
-    disjoint for every seed; `seed` only shuffles. n=None returns the whole
-    split; a larger n repeats the train split, and is capped for test.
-    "arith-steps" (or "arith-steps:MIN-MAX"): the same problems and split,
-    worded with ARITH_STEPS_TEMPLATE (asks for brief steps, then the number).
+    spec "arith" (or "arith:MIN-MAX"): the built-in task. Operand pairs are assigned to train or
+    test by a fixed hash, so the splits are disjoint for every seed; `seed` only shuffles.
+    n=None returns the whole split; a larger n repeats the train split, and is capped for test.
+    "arith-steps" (or "arith-steps:MIN-MAX"): the same, worded with ARITH_STEPS_TEMPLATE.
+    spec a JSONL file: one {"question": ..., "answer": ...} object a line (field names
+    configurable); GSM8K answers "... #### 1,234" become "1234"; n takes the first n.
 
-    spec a path to a JSONL file: one {"question": ..., "answer": ...} object a
-    line (field names configurable). GSM8K answers "... #### 1,234" become
-    "1234". `split` and `seed` are ignored; n takes the first n in file order.
+    >>> load_problems("arith", n=1)
+    [{'question': 'What is 9 + 20? Answer with just the number.', 'answer': '29'}]
     """
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
         raise ValueError(f"n must be None or a non-negative integer, got {n!r}")
     spec = os.fspath(spec) if isinstance(spec, os.PathLike) else spec
     if not isinstance(spec, str):
         raise ValueError(f"problem spec must be a string, got {type(spec).__name__}")
-    m = re.fullmatch(r"arith(-steps)?(?::(\d+)-(\d+))?", spec.strip())
-    if m:
-        low, high = (int(m.group(2)), int(m.group(3))) if m.group(2) else (ARITH_MIN, ARITH_MAX)
-        return _arith_problems(low, high, split, n, seed, ARITH_STEPS_TEMPLATE if m.group(1) else None)
+    if m := re.fullmatch(r"arith(-steps)?(?::(\d+)-(\d+))?", spec.strip()):
+        low, high = (int(m[2]), int(m[3])) if m[2] else (ARITH_MIN, ARITH_MAX)
+        template = ARITH_STEPS_TEMPLATE if m[1] else ARITH_TEMPLATE
+        return _arith_problems(low, high, split, n, seed, template)
     if spec.endswith(".jsonl") or os.path.isfile(spec):
         return _jsonl_problems(spec, n, question_field, answer_field)
     raise ValueError(f"unknown problem spec {spec!r}: expected 'arith', 'arith:MIN-MAX', "
                      "'arith-steps', 'arith-steps:MIN-MAX' or the path of a JSONL file")
 
+_ARITH_FNS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
-def _arith_problems(low, high, split, n, seed, template=None):
+def _arith_problems(low, high, split, n, seed, template):
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if low > high:
         raise ValueError(f"arith operand range is empty: {low}-{high}")
-    unknown = [op for op in ARITH_OPS if op not in _ARITH_FNS]
-    if unknown:
+    if unknown := [op for op in ARITH_OPS if op not in _ARITH_FNS]:
         raise ValueError(f"unsupported ARITH_OPS {unknown}; supported: {sorted(_ARITH_FNS)}")
     problems = []
-    for op in ARITH_OPS:
-        for a in range(low, high + 1):
-            for b in range(low, high + 1):
-                # a+b and b+a share a key, so a test question is never a
-                # reordering of a train question.
-                key = (min(a, b), max(a, b)) if op in "+*" else (a, b)
-                test = zlib.crc32(f"{key[0]},{op},{key[1]}".encode()) % 100 < ARITH_TEST_PERCENT
-                if test == (split == "test"):
-                    problems.append({"question": (template or ARITH_TEMPLATE).format(a=a, op=op, b=b),
-                                     "answer": str(_ARITH_FNS[op](a, b))})
+    for op, a, b in itertools.product(ARITH_OPS, range(low, high + 1), range(low, high + 1)):
+        # a+b and b+a share a key: a test question is never a train one reordered
+        key = (min(a, b), max(a, b)) if op in "+*" else (a, b)
+        test = zlib.crc32(f"{key[0]},{op},{key[1]}".encode()) % 100 < ARITH_TEST_PERCENT
+        if test == (split == "test"):
+            problems.append({"question": template.format(a=a, op=op, b=b),
+                             "answer": str(_ARITH_FNS[op](a, b))})
     if not problems:
         raise ValueError(f"arith {low}-{high} {split} split contains no problems; widen the range")
     rng = random.Random(seed)
@@ -1036,7 +175,6 @@ def _arith_problems(low, high, split, n, seed, template=None):
         rng.shuffle(problems)
         out.extend(dict(p) for p in problems)
     return out[:n]
-
 
 def _jsonl_problems(path, n, question_field, answer_field):
     if not os.path.isfile(path):
@@ -1053,16 +191,14 @@ def _jsonl_problems(path, n, question_field, answer_field):
                 raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            for field in (question_field, answer_field):
-                if field not in row:
-                    raise ValueError(f"{where}: missing field {field!r}")
+            if missing := [k for k in (question_field, answer_field) if k not in row]:
+                raise ValueError(f"{where}: missing field {missing[0]!r}")
             question, answer = row[question_field], row[answer_field]
             if not isinstance(question, str) or not question.strip():
                 raise ValueError(f"{where}: field {question_field!r} must be a non-empty string")
             if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
                 raise ValueError(f"{where}: field {answer_field!r} must be a string or number")
-            answer = str(answer)
-            if "####" in answer:  # GSM8K: the solution ends "#### 1,234"
+            if "####" in (answer := str(answer)):  # GSM8K: the solution ends "#### 1,234"
                 answer = answer.rsplit("####", 1)[1].replace(",", "")
             if not answer.strip():
                 raise ValueError(f"{where}: field {answer_field!r} is empty")
@@ -1070,3 +206,595 @@ def _jsonl_problems(path, n, question_field, answer_field):
     if not problems:
         raise ValueError(f"{path} contains no problems")
     return problems if n is None else problems[:n]
+
+# ----------------------------------------------------------------------------- extraction
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+_BRACE_RE = re.compile(r"\\[{}]|[{}]")  # escaped braces (set notation) are skipped
+_SPACES_RE, _TOKEN_RE = re.compile(r"\s*"), re.compile(r"[^\s$]+")
+_LAST_NUMBER_RE = re.compile(
+    r"""(?<![\w.])[-−+]?                          # not inside a word or number
+    (?: \\[dtc]?frac(?:\{\d+\}|\d)(?:\{\d+\}|\d)  # \frac{3}{4}, \frac34
+      | (?: \d{1,3}(?:(?:,|\{,\}|,\\!)\d{3})+     # 1,000 / 1{,}000 / 1,\!000
+          | \d+ ) (?:\.\d+)? (?:/\d+)?            # 12, 1.5, 3/4
+          (?: [eE][+-]?\d+(?!\w|\.\d)             # 3e5, 1.5E-3
+            | \s*(?:\\times|\\cdot|×)\s*10\^(?:\{[+-]?\d+\}|\d) )?  # 3 \times 10^{5}
+      | \.\d+ )                                   # .5
+    (?!\d)""",
+    re.VERBOSE,
+)
+
+def _boxed_content(text: str) -> str | None:
+    """Content of the last complete \\boxed{...}/\\fbox{...}, or of "\\boxed 5"."""
+    ends = [m.end() for m in _BOX_RE.finditer(text)]
+    # one pass pairs every brace: no recursion, and earlier boxes (the last unclosed) stay cheap
+    closing, stack = {}, []
+    for m in _BRACE_RE.finditer(text, ends[0] if ends else len(text)):
+        if m[0] == "{":
+            stack.append(m.start())
+        elif m[0] == "}" and stack:
+            closing[stack.pop()] = m.start()
+    for end in reversed(ends):
+        i = _SPACES_RE.match(text, end).end()
+        if i in closing:
+            return text[i + 1 : closing[i]].strip()
+        token = _TOKEN_RE.match(text, i) if i > end and text[i : i + 1] != "{" else None
+        if token and token[0].rstrip(".,;:"):  # "\boxed 5": one token after whitespace
+            return token[0].rstrip(".,;:")
+    return None
+
+# -------------------------------------------------------------------------- normalisation
+MAX_ANSWER_CHARS = 10_000  # longer answers are only compared as plain strings
+MAX_DIGITS = 1_000  # longer numbers are compared as strings, never converted
+MAX_DEPTH = 20  # deeper nesting (sets in tuples, brackets in an expression) stays a string
+MAX_PAIRS = 10_000  # element comparisons allowed for unordered collections
+
+_UNICODE = str.maketrans({"−": "-", "∞": "\\infty ", "°": "", "≤": "\\le ", "≥": "\\ge ",
+                          "≠": "\\ne ", "·": "\\cdot ", "×": "\\times ", "π": "\\pi ",
+                          "±": "\\pm ", "\u00a0": " "})
+_SPACING_RE = re.compile(r"\\\\|\\!\s*|\\[,:; ]|\\q?quad(?![A-Za-z])|~|\{,\}")
+# "5\text{ m}^2", "5 \mathrm{cm}^{3}": a unit with an exponent after a number (not
+# \mathrm{i}^2 or e^2, which are numbers); unit words alone are dropped by _strip_units.
+_UNIT_POWER_RE = re.compile(
+    r"(?<=[\d}])\s*\\(?:text|textrm|mathrm|mbox)\s*\{\s*(?![ie]\s*\})[A-Za-z]{1,5}\s*\}"
+    r"\s*\^\s*(?:\{\s*-?\d\s*\}|-?\d)[\s.]*$")
+_TEXT_RE = re.compile(
+    r"\\(?:text(?:bf|it|rm|normal|tt|sf|up)?|math(?:rm|bf|it|sf|tt|bb|cal)|mbox"
+    r"|operatorname|boldsymbol)\s*\{([^{}]*)\}")
+_CLEANUPS = [(re.compile(p), r) for p, r in [  # applied in order by _clean()
+    (r"(?<!\\)\\\\(?=(?:[dtc]?frac|sqrt)(?![A-Za-z]))", r"\\"),  # "\\frac" typo
+    (r"\\(?:left|right|[bB]ig[lr]?|displaystyle)(?![A-Za-z])\.?", ""),
+    (r"\\\$", ""), (r"\$|\\[()\[\]]", " "),  # currency, then math delimiters
+    (r"\^\s*\{?\s*\\circ\s*\}?|\\circ(?![A-Za-z])|\\degree(?![A-Za-z])", ""),
+    (r"\\?%", ""),  # "28\%" is 28: percentages are stored as the number
+    (r"\\[dtc]frac(?![A-Za-z])", r"\\frac"),
+    (r"\\frac\s*([^\s{}\\])\s*([^\s{}\\])", r"\\frac{\1}{\2}"),  # \frac12
+    (r"\\frac\s*([^\s{}\\])\s*\{", r"\\frac{\1}{"),  # \frac3{4}
+    (r"\\(frac|sqrt)\s+\{", r"\\\1{"),
+    (r"\\sqrt\s*([^\s{}\\\[])", r"\\sqrt{\1}"),  # \sqrt3, \sqrt 3
+    (r"\\geq?(?:slant)?(?![A-Za-z])", ">="), (r"\\leq?(?:slant)?(?![A-Za-z])", "<="),
+    (r"\\neq?(?![A-Za-z])", "!="), (r"\\gt(?![A-Za-z])", ">"), (r"\\lt(?![A-Za-z])", "<"),
+    (r"\\begin\{[bB]?matrix\}|[(\[]\s*\\begin\{array\}\{[^{}]*\}", r"\\begin{pmatrix}"),
+    (r"\\end\{[bB]?matrix\}|\\end\{array\}\s*[)\]]", r"\\end{pmatrix}"),
+    (r"(\d)\s*(?:\*|\\cdot)\s*(?=[A-Za-z])", r"\1"),  # 2*x -> 2x
+    (r" ?,? ?\b(?:and|or)\b ?", ","),  # "6 and 8", "(1,2) or (2,1)" are lists
+    (r";", ","),
+]]
+
+def _clean(s: str) -> str:
+    """The answer without formatting or a \\boxed{} around it; brackets and commas are kept."""
+    if ("\\boxed" in s or "\\fbox" in s) and (inner := _boxed_content(s)) is not None:
+        s = inner
+    s = re.sub(r"\s+", " ", s.translate(_UNICODE))  # single spaces keep every \s* below linear
+    spacing = {"\\\\": "\\\\", "{,}": ","}  # "\\" is a row break; "11,\! 111" is one number
+    s = _SPACING_RE.sub(lambda m: "" if m[0][:2] == "\\!" else spacing.get(m[0], " "), s)
+    s = _UNIT_POWER_RE.sub("", s)  # "5\text{ m}^2" before \text{} is unwrapped
+    for _ in range(5):  # \text{...} may be nested a few levels
+        s = _TEXT_RE.sub(r" \1 ", s)
+    s = re.sub(r"\s+", " ", s)
+    for pattern, repl in _CLEANUPS:
+        s = pattern.sub(repl, s)
+    return re.sub(r"\s+", " ", s).strip().rstrip(" .\\").strip()
+
+def _squash(s: str) -> str:
+    """Drop spaces, except before a digit after a digit or comma ("1 2" and "32, 349" are lists)."""
+    return re.sub(r"(?<![\d,]) | (?!\d)", "", re.sub(r"\s+", " ", s.strip()))
+
+# -------------------------------------------------------------------------------- numbers
+_NUM_RE = re.compile(r"([+-]?)(\d{1,3}(?:,\d{3})+|\d{1,3}(?: \d{3})+|\d*)(?:\.(\d*))?")
+_RATIO_RES = [re.compile(r"\\frac\{([^{}]*)\}\{([^{}]*)\}"), re.compile(r"([\d.]+)/([+-]?[\d.]+)")]
+_MIXED_RE = re.compile(r"(\d+)\\frac\{(\d+)\}\{(\d+)\}")
+_POWER_RE = re.compile(r"(\d+)\^(?:\{(\d+)\}|(\d))")
+_SCI_RE = re.compile(  # 3e5, 3E+05, 3\times10^{5}, 3\cdot10^5, 3.0x10^5, 10^{-3}
+    r"(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d{1,9})"
+    r"|(?:(\d+(?:\.\d*)?|\.\d+)(?:\\times|\\cdot|\*|x))?10\^(?:\{([+-]?\d{1,9})\}|(\d))")
+_UNIT_EXP_RE = re.compile(r"(?<=[A-Za-z]{2}) ?\^ ?(?:\{ ?-?\d ?\}|-?\d)$")
+_NOT_UNITS = {"pi", "inf", "infty", "infinity", "sqrt", "sin", "cos", "tan", "cot", "sec", "csc",
+              "log", "ln", "exp", "mod", "pmod", "and", "or", "times", "cdot", "is", "to", "i", "e"}
+
+def _plain_number(t: str) -> Fraction | None:
+    """Integer or decimal with optional sign and thousands separators."""
+    if not (m := _NUM_RE.fullmatch(t)):
+        return None
+    whole, frac = re.sub("[ ,]", "", m[2]), m[3] or ""
+    if not (whole or frac) or len(whole) + len(frac) > MAX_DIGITS:
+        return None  # huge numbers stay strings: int() of them is slow or refused
+    value = Fraction(int(whole or "0") * 10 ** len(frac) + int(frac or "0"), 10 ** len(frac))
+    return -value if m[1] == "-" else value
+
+def _strip_units(t: str, exponent: bool = True) -> str:
+    """'5 apples' -> '5': drop trailing words (2+ letters, after a space); the last may carry
+    an exponent: '5 cm^2' -> '5', but '5 x^2' stays."""
+    bare = _UNIT_EXP_RE.sub("", t) if exponent else t
+    if bare != t:  # the exponent goes only with the unit word it follows
+        stripped = _strip_units(bare, exponent=False)
+        return stripped if stripped != bare else t
+    i = len(t)
+    while i and (t[i - 1] == " " or (t[i - 1].isascii() and t[i - 1].isalpha())):
+        i -= 1
+    words = t[i:].split()
+    keep = (not words or not t[i:].startswith(" ") or t[i - 1 : i] == "\\" or len(words[0]) < 2
+            or any(w.lower() in _NOT_UNITS for w in words))
+    return t if keep else t[:i].rstrip()
+
+def _number(s: str) -> Fraction | None:
+    """Exact value of a numeric answer, or None when it is not a plain number."""
+    t = _strip_units(s.strip())
+    value = _plain_number(t)  # before squashing, so "1 000" stays one number
+    t = _squash(t)
+    if value is not None or " " in t:
+        return value
+    sign, t = (-1, t[1:]) if t.startswith("-") else (1, t.lstrip("+"))
+    if (value := _plain_number(t)) is not None:  # "- 5" once squashed
+        return sign * value
+    for ratio in _RATIO_RES:  # \frac{a}{b} and a/b
+        if m := ratio.fullmatch(t):
+            num, den = _plain_number(m[1]), _plain_number(m[2])
+            return sign * num / den if num is not None and den else None
+    if m := _MIXED_RE.fullmatch(t):  # 918\frac{1}{2} is a mixed number
+        whole, num, den = (_plain_number(g) for g in m.groups())
+        ok = whole is not None and num is not None and den and num < den
+        return sign * (whole + num / den) if ok else None
+    if m := _SCI_RE.fullmatch(t):  # scientific notation: an exact number too
+        mantissa, exp = _plain_number(m[1] or m[3] or "1"), int(m[2] or m[4] or m[5])
+        if mantissa is not None and abs(exp) <= MAX_DIGITS:  # 1e1000000 stays a string
+            return sign * mantissa * Fraction(10) ** exp
+    if m := _POWER_RE.fullmatch(t):  # 2^3 == 8, but 10^{1000000} stays a string
+        exp = int((m[2] or m[3])[:9])
+        if len(m[1]) <= MAX_DIGITS and len(m[1]) * exp <= MAX_DIGITS:
+            return sign * Fraction(int(m[1]) ** exp)
+    return None
+
+# ------------------------------------------------------------------------------ structure
+@functools.lru_cache(maxsize=64)  # _parse asks up to four times about one string
+def _outside(s: str) -> tuple[list[int], bool]:
+    """Indices of the characters outside brackets (a closing one is outside); balanced or not."""
+    top, depth, balanced = [], 0, True
+    for i, c in enumerate(s):
+        depth += (c in "([{") - (c in ")]}")
+        if depth < 0:
+            balanced = False
+        elif not depth:
+            top.append(i)
+    return top, balanced and not depth
+
+def _split_top(s: str, sep: str) -> list[str]:
+    """Split at `sep` outside brackets; an unbalanced string is not split."""
+    (top, balanced), parts, start = _outside(s), [], 0
+    for i in top if balanced else ():
+        word = sep[-1].isalpha() and s[i + len(sep) : i + len(sep) + 1].isalpha()  # \cupola
+        if i >= start and s.startswith(sep, i) and not word:
+            parts.append(s[start:i])
+            start = i + len(sep)
+    return parts + [s[start:]]
+
+def _enclosed(s: str):
+    """(open, body, close) when one bracket pair wraps the whole string."""
+    opening = "\\{" if s.startswith("\\{") and s.endswith("\\}") else s[:1]
+    closing = "\\}" if opening == "\\{" else s[-1:]
+    top, balanced = _outside(s)
+    ok = (balanced and opening in ("(", "[", "{", "\\{") and closing[-1] in ")]}"
+          and (opening[-1] == "{") == (closing[-1] == "}")  # and not "(1,2) \cup (3,4)":
+          and top == [*range(len(opening) - 1), len(s) - 1])
+    return (opening, s[len(opening) : -len(closing)], closing) if ok else None
+
+def _is_name(lhs: str) -> bool:
+    """A variable-like left-hand side: x, f(x), (p,q), a_{3}, |AB|, A:B."""
+    t = re.sub(r"_\{[^{}]*\}|_\w", "", lhs).replace(" ", "")
+    return bool(re.fullmatch(r"[A-Za-z\\{}()|:,']+", t)) and bool(re.search("[A-Za-z]", t))
+
+def _relation(s: str):
+    """(lhs, rel, rhs) for a single '=', '\\in' or '\\approx' outside brackets."""
+    found = []
+    for i in _outside(s)[0]:
+        if s[i] in "<>":
+            return None  # an inequality: keep it whole
+        if s[i] == "=" and s[i - 1 : i] not in ("!", "=") and s[i + 1 : i + 2] != "=":
+            found.append((i, "="))
+        found += [(i, rel) for rel in ("\\in", "\\approx")
+                  if s.startswith(rel, i) and not s[i + len(rel) : i + len(rel) + 1].isalpha()]
+    if len(found) != 1:
+        return None
+    i, rel = found[0]
+    lhs, rhs = s[:i].strip(), s[i + len(rel) :].strip()
+    return (lhs, rel, rhs) if lhs and rhs else None
+
+def _parse(s: str, depth: int = 0):
+    """A cleaned answer as a small tree of tagged tuples, whose leaves are ("num", value, text),
+    ("str", canonical text, text) and ("eq", name, parsed right-hand side, text)."""
+    s = s.strip().rstrip(" .").strip()
+    if not s:
+        return None
+    if depth > MAX_DEPTH:
+        return ("str", _squash(s), None)
+    parse = functools.partial(_parse, depth=depth + 1)
+    if (value := _number(s)) is not None:
+        return ("num", value, s)
+    if rel := _relation(s):
+        lhs, op, rhs = rel
+        if op == "\\approx":  # "x \approx 11" -> 11; "\frac{1}{3} \approx 0.33" -> 1/3
+            return parse(rhs if _is_name(lhs) else lhs)
+        if _is_name(lhs):  # "x = 5" and "5" are the same answer
+            return ("eq", _squash(lhs), parse(rhs), s)
+    for tag, sep in (("union", "\\cup"), ("list", ",")):
+        if len(parts := _split_top(s, sep)) > 1:
+            return (tag, [parse(p) for p in parts])
+    if s.startswith("\\pm") and not s[3:4].isalpha() and (value := _number(s[3:])) is not None:
+        return ("list", [("num", -value, None), ("num", value, None)])  # {-2, 2}, never just 2
+    if wrapped := _enclosed(s):
+        opening, body, closing = wrapped
+        items = _split_top(body, ",")
+        if opening == "\\{" or (opening == "{" and len(items) > 1):
+            return ("list", [parse(p) for p in items])  # a set
+        if len(items) > 1:  # tuple or interval: order and brackets matter
+            return ("seq", opening + closing, [parse(p) for p in items])
+        if opening + closing in ("()", "{}"):  # redundant grouping: "(C)" is "C"
+            return parse(body)
+    t = _squash(s)
+    m = t.count("<") == 2 and re.fullmatch(r"([^<]+)<(=?)([^<=][^<]*)<(=?)([^<=][^<]*)", t)
+    if m and ">" not in t and "!" not in t and _is_name(m[3]):  # a < x < b is an interval
+        return ("seq", "(["[bool(m[2])] + ")]"[bool(m[4])], [parse(m[1]), parse(m[5])])
+    if m := re.fullmatch(r"\\begin\{pmatrix\}(.*)\\end\{pmatrix\}", t):
+        return ("matrix", [[parse(c) for c in r.split("&")] for r in m[1].split("\\\\") if r])
+    t = (t[1:] if t.startswith("+") else t).replace(", ", ",")
+    rels = re.findall(r"<=|>=|!=|<|>", t)
+    if len(rels) == 1 and rels[0][0] == ">":  # a > b is b < a
+        lhs, rhs = t.split(rels[0], 1)
+        t = rhs + "<" + rels[0][1:] + lhs
+    return ("str", t, s)
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return False
+    if "eq" in (a[0], b[0]):  # "x = 5" is 5, and two names must agree
+        same = a[1] == b[1] and _same(a[2], b[2]) if a[0] == b[0] else (
+            _same(a[2], b) if a[0] == "eq" else _same(a, b[2]))
+        return same or _symbolic_same(a, b)  # y = 2x is the line 2x - y = 0
+    if a[0] != b[0]:
+        return {a[0], b[0]} == {"num", "str"} and _symbolic_same(a, b)
+    if a[0] in ("num", "str"):
+        return a[1] == b[1] or _symbolic_same(a, b)
+    if a[0] == "seq":
+        return a[1] == b[1] and len(a[2]) == len(b[2]) and all(map(_same, a[2], b[2]))
+    if a[0] == "matrix":
+        return [len(r) for r in a[1]] == [len(r) for r in b[1]] and all(
+            all(map(_same, ra, rb)) for ra, rb in zip(a[1], b[1]))
+    # "list" (sets, bare lists, \pm) and "union": order and repeats don't matter
+    xs, ys = a[1], b[1]
+    return len(xs) * len(ys) <= MAX_PAIRS and all(any(_same(x, y) for y in ys) for x in xs) and all(
+        any(_same(x, y) for x in xs) for y in ys)
+
+# -------------------------------------------------------------------------- symbolic tier
+#
+# An answer is read into an exact rational function: numerator and denominator are polynomials
+# whose terms coefficient * sqrt(radicand) * monomial are stored as {(monomial, radicand):
+# coefficient}, a Fraction coefficient, a square-free radicand, a monomial a sorted tuple of
+# (atom, exponent). Square roots of distinct square-free integers are linearly independent over
+# the rationals, so the form is canonical: \sqrt{8}, 2\sqrt{2} and \frac{4}{\sqrt{2}} are all
+# {((), 2): 2}. Atoms (x, \pi, F_{n}, f(x), \sin(x), a nested root) are free symbols, so an
+# identity found holds whatever they stand for: the tier can miss one (i^2 == -1, \sin(2x),
+# \sqrt{x}^2), not invent one. The one identity added is sin^2 + cos^2 = 1 (in _mul). Whatever
+# the tier cannot read, or a guard below refuses, raises ValueError: not shown equal.
+
+MAX_SYMBOLIC_CHARS = 300  # longer answers are not read symbolically
+MAX_TERMS = 100  # terms in one polynomial (so (a+b+c)^32 is refused)
+MAX_POWER = 32  # largest integer exponent that is expanded
+MAX_RADICAND = 10**12  # \sqrt{n} is simplified by trial division up to n^(1/3)
+MAX_BITS = 4_000  # size of a coefficient's numerator or denominator
+MAX_WORK = 100_000  # term products per answer, and per comparison
+APPROX_DIGITS = 12  # a decimal this precise may stand for an irrational value
+
+_GREEK = {"\\" + w for w in "alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta "
+          "iota kappa lambda mu nu xi pi rho sigma tau upsilon phi varphi chi psi omega Gamma "
+          "Delta Theta Lambda Xi Pi Sigma Phi Psi Omega".split()}
+_FUNCTIONS = {"\\" + w for w in "sin cos tan sec csc cot arcsin arccos arctan sinh cosh tanh log "
+              "ln lg exp".split()}
+_SYM_TOKEN_RE = re.compile(
+    r"\s*(?:(\d+(?:\.\d*)?|\.\d+"  # number
+    r"|\\(?:sum|prod)(?![A-Za-z])(?: ?[_^] ?(?:\{(?:[^{}]|\{[^{}]*\})*\}|\w))*"  # \sum_{k=1}^n
+    r"|\\[A-Za-z]+"  # command
+    r"|[A-Za-z]+(?:_(?:\{[^{}]*\}|[A-Za-z0-9]))?"  # word, with a subscript: F_{n-1}
+    r"|<=|>=|[-+*/^(){}\[\]=<>_])|(\S))")  # operator; else a character outside the tier
+_NUMERAL = re.compile(r"\.?\d")
+_FACTOR_START = re.compile(r"[A-Za-z0-9.({]|\\(?!cdot$|times$)")  # a token that starts a factor
+_DECIMAL_RE = re.compile(r"[+-]?\d*\.\d+")
+_ONE = {((), 1): Fraction(1)}  # the polynomial 1 (never modified in place)
+
+def _poly(terms) -> dict:
+    """The polynomial summing (key, coefficient) pairs; refused once it grows too large."""
+    out = {}
+    for key, c in terms:
+        out[key] = out[key] + c if key in out else c
+    out = {key: c for key, c in out.items() if c}
+    if len(out) > MAX_TERMS or any(abs(c.numerator) >> MAX_BITS or c.denominator >> MAX_BITS
+                                   or rad >> 256 for (_, rad), c in out.items()):
+        raise ValueError("too large")
+    return out
+
+def _add(p: dict, q: dict, c=1) -> dict:  # p + c*q
+    return _poly([*p.items(), *((key, c * v) for key, v in q.items())])
+
+def _monomial(m1, m2) -> tuple:
+    powers = dict(m1)
+    for atom, e in m2:
+        powers[atom] = powers.get(atom, 0) + e
+    return tuple(sorted((atom, e) for atom, e in powers.items() if e))
+
+def _mul(p: dict, q: dict, work: list) -> dict:
+    work[0] += len(p) * len(q)  # term products, counted against MAX_WORK
+    if work[0] > MAX_WORK:
+        raise ValueError("too much work")
+    todo, out = [], []
+    for (m1, r1), c1 in p.items():
+        for (m2, r2), c2 in q.items():
+            g = math.gcd(r1, r2)  # sqrt(r1)*sqrt(r2) = g*sqrt(r1*r2/g^2): square-free again
+            todo.append(((_monomial(m1, m2), (r1 // g) * (r2 // g)), c1 * c2 * g))
+    # Pythagoras: sin(u)^2 becomes 1 - cos(u)^2 until every sine has exponent 0 or 1, the unique
+    # form modulo sin^2 + cos^2 = 1, so that sec^2 and tan^2 + 1 agree.
+    while todo:
+        (mono, rad), c = todo.pop()
+        sine = next((a for a, e in mono if e > 1 and a.startswith("\\sin(")), None)
+        if sine is None:
+            out.append(((mono, rad), c))
+            continue
+        if len(out) + len(todo) > MAX_WORK:  # (sin a sin b ...)^2 has 2^k terms
+            raise ValueError("too many terms")
+        rest = _monomial(mono, ((sine, -2),))
+        todo += [((rest, rad), c), ((_monomial(rest, (("\\cos(" + sine[5:], 2),)), rad), -c)]
+    return _poly(out)
+
+@functools.lru_cache(maxsize=1024)
+def _square_free(n: int) -> tuple[int, int]:
+    """(a, b) with n == a*a*b and b square-free; n <= MAX_RADICAND."""
+    if n > MAX_RADICAND:
+        raise ValueError("radicand too large")
+    outside, inside, p = 1, 1, 2
+    while p * p * p <= n:  # every prime up to the cube root ...
+        while n % (p * p) == 0:
+            n, outside = n // (p * p), outside * p
+        if n % p == 0:
+            n, inside = n // p, inside * p
+        p += 1 if p == 2 else 2
+    # ... leaves 1, q, q*r or q*q, with q and r primes above it
+    root = math.isqrt(n)
+    return (outside * root, inside) if root * root == n else (outside, inside * n)
+
+def _rat(v) -> Fraction | None:
+    """The value v = (numerator, denominator) as a Fraction when it is a rational constant."""
+    key = next(iter(v[1]))
+    c = v[0].get(key, 0) / v[1][key]
+    return c if v[0] == _add({}, v[1], c) else None
+
+def _key(v) -> str:
+    """A fixed spelling of a value, to name atoms such as \\sqrt{x+1} or f(2x)."""
+    num, den = v
+    if (q := _rat((den, _ONE))) is not None:  # a rational denominator is folded in
+        num, den = _add({}, num, 1 / q), _ONE
+    return repr((sorted(num.items()), sorted(den.items())))
+
+class _Reader:
+    """Recursive descent over a cleaned answer; values are (numerator, denominator) polynomials."""
+
+    def __init__(self, text: str):
+        pairs, self.i, self.work = _SYM_TOKEN_RE.findall(text.strip()), 0, [0]
+        self.toks = [tok for tok, _ in pairs]
+        depth = max(itertools.accumulate((t in "({") - (t in ")}") for t in self.toks), default=0)
+        if depth > MAX_DEPTH or any(outside for _, outside in pairs):
+            raise ValueError("too deep, or a character outside the tier")
+
+    def peek(self) -> str:
+        return self.toks[self.i] if self.i < len(self.toks) else ""
+
+    def take(self, expected: str | None = None) -> str:
+        tok = self.peek()
+        if not tok or expected not in (None, tok):
+            raise ValueError(f"expected {expected}, got {tok!r}")
+        self.i += 1
+        return tok
+
+    def accept(self, tok: str) -> bool:
+        found = self.peek() == tok
+        self.i += found
+        return found
+
+    def add(self, a, b, sign=1):
+        if a[1] == b[1]:
+            return _add(a[0], b[0], sign), a[1]
+        return (_add(_mul(a[0], b[1], self.work), _mul(b[0], a[1], self.work), sign),
+                _mul(a[1], b[1], self.work))
+
+    def mul(self, a, b):
+        return _mul(a[0], b[0], self.work), _mul(a[1], b[1], self.work)
+
+    def div(self, a, b):
+        if not b[0]:
+            raise ValueError("division by zero")
+        return self.mul(a, (b[1], b[0]))
+
+    def power(self, v, k: int):
+        if k < 0:
+            v, k = self.div((_ONE, _ONE), v), -k
+        if k > MAX_POWER or not (k or v[0]):  # 0^0 is undefined
+            raise ValueError("exponent")
+        out = v if k else (_ONE, _ONE)
+        for bit in bin(k)[3:]:  # square, and multiply where a bit is set (from the second highest)
+            out = self.mul(self.mul(out, out), v) if bit == "1" else self.mul(out, out)
+        return out
+
+    def sum(self):
+        value = self.product()
+        while self.peek() in ("+", "-"):
+            sign = 1 if self.take() == "+" else -1
+            value = self.add(value, self.product(), sign)
+        return value
+
+    def product(self):
+        value = self.factor()
+        while True:
+            tok, explicit = self.peek(), self.peek() in ("*", "\\cdot", "\\times")
+            if self.accept("/"):
+                value = self.div(value, self.factor())
+                if _FACTOR_START.match(self.peek()):
+                    raise ValueError("1/2x is ambiguous")
+            elif not (explicit or _FACTOR_START.match(tok)):
+                return value
+            elif _NUMERAL.match(tok) or tok == "\\frac" and _NUMERAL.match(self.toks[self.i - 1]):
+                raise ValueError("x2 and 2 3 are no products, 3\\frac{1}{2} is a mixed number")
+            else:
+                self.i += explicit
+                value = self.mul(value, self.factor())
+
+    def factor(self):
+        if self.accept("-"):
+            num, den = self.factor()
+            return _add({}, num, -1), den
+        self.accept("+")
+        value = self.primary()
+        return self.power(value, self.exponent()) if self.accept("^") else value
+
+    def exponent(self) -> int:
+        """k in x^k: x^{-1} and x^{2} are read as values, but x^23 is x^2 * 3 in LaTeX."""
+        if self.peek() != "{" and not (len(self.peek()) == 1 and self.peek().isdigit()):
+            raise ValueError("x^23 is ambiguous")
+        k = _rat(self.primary())
+        if k is None or k.denominator != 1:
+            raise ValueError("only integer exponents")
+        return int(k)
+
+    def group(self, opening: str = "{"):
+        self.take(opening)
+        value = self.sum()
+        self.take(")" if opening == "(" else "}")
+        return value
+
+    def atom(self, name: str):
+        return {(((name, 1),), 1): Fraction(1)}, _ONE
+
+    def primary(self):
+        tok = self.peek()
+        if tok in ("(", "{"):
+            return self.group(tok)
+        self.i += 1
+        if _NUMERAL.match(tok):  # at most MAX_SYMBOLIC_CHARS digits
+            return _add({}, _ONE, Fraction(tok)), _ONE
+        if tok[:1].isalpha():  # a word; f(x) is a function, never f*x
+            return self.atom(f"{tok}({_key(self.group('('))})" if self.peek() == "(" else tok)
+        if tok in _GREEK:
+            return self.atom(tok)
+        if tok == "\\frac":
+            return self.div(self.group(), self.group())
+        if tok == "\\sqrt":  # also \sqrt[2]{x}; other roots stay outside the tier
+            if self.accept("[") and (self.take() != "2" or self.take() != "]"):
+                raise ValueError("only square roots")
+            if (q := _rat(v := self.group())) is None:  # \sqrt{x+1}: an atom named by its content
+                return self.atom(f"\\sqrt{{{_key(v)}}}")
+            if q < 0:
+                raise ValueError("square root of a negative number")
+            outside, inside = _square_free(q.numerator * q.denominator)  # sqrt(a/b) = sqrt(ab)/b
+            return _add({}, {((), inside): Fraction(outside, q.denominator)}), _ONE
+        if tok.startswith(("\\sum", "\\prod")):  # named by its bounds; the body follows
+            return self.atom(f"{tok.replace(' ', '')}({_key(self.product())})")
+        if tok in _FUNCTIONS:
+            k = self.exponent() if self.accept("^") else 1  # \sin^2(x)
+            if self.peek() not in ("(", "{") or k < 1:
+                raise ValueError("a function needs a bracketed argument")
+            arg = _key(self.group(self.peek()))
+            sin, cos = (self.atom(f"\\{f}({arg})")[0] for f in ("sin", "cos"))
+            value = {"\\sec": (_ONE, cos), "\\csc": (_ONE, sin), "\\tan": (sin, cos),
+                     "\\cot": (cos, sin)}.get(tok) or self.atom(f"{tok}({arg})")
+            return self.power(value, k)
+        raise ValueError(f"unknown {tok!r}")
+
+@functools.lru_cache(maxsize=4096)
+def _symbolic(text: str):
+    """("expr", value), ("rel", op, D) for D < 0, D <= 0 or D = 0, or None: outside the tier."""
+    if not text or len(text) > MAX_SYMBOLIC_CHARS:
+        return None
+    try:
+        reader = _Reader(text)
+        lhs = reader.sum()
+        op = reader.take() if reader.peek() in ("=", "<", ">", "<=", ">=") else None
+        rhs = reader.sum() if op else None
+        if reader.peek():
+            return None  # something after the expression
+        if op is None:
+            return ("expr", lhs)
+        if op in (">", ">="):  # a > b is b < a
+            op, lhs, rhs = "<" + op[1:], rhs, lhs
+        num, den = reader.add(lhs, rhs, -1)
+        if (q := _rat((den, _ONE))) is None:  # x/y = 1 is not y-x = 0 where y = 0
+            return None
+        return ("rel", op, _add({}, num, 1 / q))
+    except (ValueError, ZeroDivisionError, RecursionError):
+        return None
+
+def _approx_same(a, b) -> bool:
+    r"""A long decimal (leaf a) against an exact value without a finite decimal expansion (leaf
+    b: 1/12, \sqrt{17}): equal to within one unit in the decimal's last place, as a printed
+    float is (0.0833333333333333 for 1/12). 0.125000000001 is never 1/8, 0.333 never 1/3."""
+    text = _squash(a[2]) if a[0] == "num" and a[2] else ""
+    if (b[0] not in ("num", "str") or not b[2] or not _DECIMAL_RE.fullmatch(text)
+            or _DECIMAL_RE.fullmatch(_squash(b[2]))
+            or len(re.sub(r"\D", "", text).lstrip("0")) < APPROX_DIGITS):
+        return False
+    unit = Fraction(1, 10 ** len(text.split(".")[1]))
+    if b[0] == "num":
+        value = b[1]
+    elif not (sym := _symbolic(b[2])) or sym[0] != "expr" or any(m for p in sym[1] for m, _ in p):
+        return False  # outside the tier, a relation, or not a constant
+    elif (value := _rat(sym[1])) is None:  # irrational: to 60 decimals, far below the unit
+        num, den = (sum(c * Fraction(math.isqrt(r * 10**120), 10**60) for (_, r), c in p.items())
+                    for p in sym[1])
+        return abs(den) > Fraction(1, 10**20) and abs(a[1] - num / den) <= unit
+    # a rational with a finite decimal expansion (1/8) must be written exactly
+    return abs(a[1] - value) <= unit and pow(10, (d := value.denominator).bit_length(), d) != 0
+
+def _symbolic_same(a, b) -> bool:
+    """Leaves a and b (num, str or eq) that the exact rules found different."""
+    if (not SYMBOLIC or {a[0], b[0]} - {"num", "str", "eq"}
+            or a[0] == b[0] == "eq" and a[1] == b[1]):  # x = 5, x = \sqrt{25}: compared already
+        return False
+    try:
+        if _approx_same(a, b) or _approx_same(b, a):
+            return True
+        if "num" in (a[0], b[0]) or not (a[-1] and b[-1]):
+            return False  # a plain number is only ever equal to an exact number
+        x, y = _symbolic(a[-1]), _symbolic(b[-1])
+        if not x or not y or x[0] != y[0]:
+            return False
+        if x[0] == "expr":
+            (n1, d1), (n2, d2), work = x[1], y[1], [0]
+            same = n1 == n2 if d1 == d2 else _mul(n1, d2, work) == _mul(n2, d1, work)
+            # Refusal 1: a rational value written as arithmetic (2+3, \sqrt{4}, 2\cdot 3) is not
+            # the number 5, 2 or 6: "What is 2+3?" must not be answered "2+3".
+            return same and _rat(x[1]) is None
+        # Relations: D1 = c*D2 with c > 0 (c != 0 for an equation: its sides may swap).
+        (op1, p1), (op2, p2) = x[1:], y[1:]
+        c = _rat((p1, p2)) if p1 and p2 else None
+        atoms = {atom for mono, _ in p1 for atom, _ in mono}
+        if op1 != op2 or not c or not atoms:
+            return False
+        # Refusal 2: in one unknown, 2x = 10 is the question and x = 5 its answer, so only a
+        # rewriting that keeps the scale counts (5 = x, -x > -1 for x < 1).
+        return (c == 1 or op1 == "=" and c == -1) if len(atoms) == 1 else (c > 0 or op1 == "=")
+    except ValueError:  # a guard tripped while comparing: not shown equal
+        return False

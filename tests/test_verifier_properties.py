@@ -69,7 +69,7 @@ def test_every_extracted_answer_equals_itself(text):
         return
     # "non-empty" means something is left once formatting is removed: "\text{}",
     # "$" or "\," are empty answers, and an empty answer never matches.
-    if verifier._clean(verifier._unbox(answer)):
+    if verifier._clean(answer):
         assert is_equiv(answer, answer)
         assert reward(text, answer) == 1.0
     else:

@@ -40,6 +40,8 @@ TRUE = {
         ("\\frac{1}{x}+\\frac{1}{y}", "\\frac{x+y}{x\\cdot y}"), ("\\frac{a}{b}", "\\frac{2a}{2b}"),
         ("a_{3}+a_{3}", "2a_{3}"), ("\\sin(x)+\\sin(x)", "2\\sin(x)"), ("\\sin^2(x)", "\\sin(x)\\sin(x)"),
         ("F_n = \\sum_{k=0}^{n-1} F_{n-k-1} F_k", "F_n = \\sum_{k=0}^{n-1} F_k F_{n-k-1}"),
+        ("\\sum_{k=\\frac{1}{2}}^{n} 2k", "\\sum_{k=\\frac{1}{2}}^{n} (k+k)"),
+        ("x^{1+1}", "x^2"), ("x^{+2}", "x^{2}"), ("x/-2", "-\\frac{x}{2}"),  # an exponent is a value
     ],
     "trigonometry": [
         ("\\sec^2(y)", "\\tan^2(y)+1"), ("\\sin^2(x)+\\cos^2(x)+x", "1+x"),
@@ -79,6 +81,7 @@ FALSE = {  # different values: never equal
         ("\\infty - \\infty + x", "x"), ("2x+ 1+x^2", "y = x^2+2x"), ("AZYUK2A", "2AZYUKA"),
         ("\\pi", "3.14159265358979"), ("F_{n-1}F_k", "F_kF_{n-2}"), ("1/2x", "\\frac{x}{2}"),
         ("x2", "2x"), ("x^23", "x^{23}"), ("3\\frac{1}{2}\\sqrt{2}", "1.5\\sqrt{2}"),
+        ("x^{1+2}", "x^2"), ("x^{2.5}", "x^2"), ("\\sum_{k=0}^{n} k", "\\sum_{k=1}^{n} k"),
     ],
     "trigonometry": [
         ("\\sin^2(x)", "\\cos^2(x)"), ("\\sin^2(x)+\\cos^2(y)+x", "1+x"), ("\\sec(x)", "\\cos(x)"),
