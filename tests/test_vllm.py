@@ -31,7 +31,7 @@ def engine_vs_policy_gap(sampler, policy, tokenizer, temperature=1.0, max_new_to
     samples = sampler.generate(prompts, 4, max_new_tokens, temperature)
     rows = [prompts[i // 4] for i in range(len(samples))]
     ids, attention, mask = grpo.build_batch(rows, [s["ids"] for s in samples], tokenizer.pad_token_id)
-    engine_logp, _ = grpo.right_pad([s["sampler_logprobs"] for s in samples], 0.0, torch.float32)
+    engine_logp, _ = grpo.pad([s["sampler_logprobs"] for s in samples], 0.0, dtype=torch.float32)
     with torch.no_grad():
         policy_logp, _ = grpo.token_logprobs(policy, ids, attention, mask.shape[1], temperature, micro_batch=16)
     return (policy_logp - engine_logp).abs()[mask.bool()].mean().item()
@@ -74,7 +74,7 @@ def test_vllm_generation_and_weight_sync(which, tiny_model_dir):
     # Train the policy a little; without a sync the engine is stale, with one it matches again.
     a_few_optimizer_steps(policy, tokenizer)
     stale = engine_vs_policy_gap(sampler, policy, tokenizer)
-    sampler.sync_weights(policy)
+    grpo.sync_weights(engine, policy)
     synced = engine_vs_policy_gap(sampler, policy, tokenizer)
     print(f"{which}: |dlogp| stale {stale:.3g}, synced {synced:.3g}")
     assert stale > 0.05, f"the optimizer steps did not move the policy enough to test the sync ({stale})"
@@ -109,7 +109,7 @@ def test_bf16_engine_takes_fp32_master_weights(tiny_model_dir):
     at_start = engine_vs_policy_gap(sampler, policy, tokenizer)
     a_few_optimizer_steps(policy, tokenizer)
     stale = engine_vs_policy_gap(sampler, policy, tokenizer)
-    sampler.sync_weights(policy)
+    grpo.sync_weights(engine, policy)
     synced = engine_vs_policy_gap(sampler, policy, tokenizer)
     print(f"bf16 engine vs fp32 policy |dlogp|: at start {at_start:.3g}, stale {stale:.3g}, synced {synced:.3g}")
     assert next(policy.parameters()).dtype == torch.float32  # the sync did not touch the master weights

