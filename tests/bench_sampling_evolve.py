@@ -1,79 +1,150 @@
-"""Cold start: sampling_evolve.py (GRPO + evolution of all-wrong groups) against grpo.py, from a harder
-built-in setting where the base model solves few problems, at the same budget of SAMPLED tokens (evolution's
-extra tokens counted). Prints both held-out pass@1 curves side by side against the tokens each had sampled.
+"""SamplingEvolve's search against independent sampling over seeds, and the prompt variants that lost.
 
-    python tests/bench_sampling_evolve.py                       # arith:20-99, 8 steps of sampling_evolve
-    python tests/bench_sampling_evolve.py --steps 4 --eval-every 2 --eval-problems 16
+    python tests/bench_sampling_evolve.py                          # the script's prompt, 3 seeds
+    python tests/bench_sampling_evolve.py --variants script old chat no-ruled-out latest-parents
+    python tests/bench_sampling_evolve.py --seeds 0 --problems 8 --rounds 1    # a quick look
 
-How the budgets are matched: sampling_evolve runs --steps steps first; its total of sampled tokens
-(group samples + evolution children) is the budget. grpo.py then gets as many steps as that budget buys
-at the group-sampling cost per step measured in the first run (same problems, same seed, same flags), so the
-two totals agree to within about one step; both totals are printed. Evaluation points are every --eval-every
-steps of each run, so they fall at different token counts: read the curves against the tokens column.
-Any other flag (e.g. --lr, --group-size) is passed to both scripts."""
+Each (variant, seed) is one `sampling_evolve.py --mode search` run on the same held-out problems
+(--problems of the built-in task), in this process, with the variant's evolution prompt swapped in.
+For every round it reports the share of problems solved by evolution, by independent samples of the
+bare prompt at the same number of samples and at the same tokens read + written, as the mean over
+seeds and the spread (lowest and highest), then the tokens each arm read and wrote (means).
+
+Variants (the script's own is `script`):
+  script          sampling_evolve.py as it is
+  old             the earlier prompt: parents best reward first, then the latest failures (one per
+                  final answer), "Write a new, improved solution. Do not repeat an answer marked
+                  incorrect. The problem again: <x>", no ruled-out list, copied labels scored
+  chat            the attempts replayed as a conversation (x, each attempt as the assistant's turn,
+                  its verdict + "Try again." as the user's); parents as in the script
+  no-ruled-out    the script's prompt without the ruled-out list
+  latest-parents  the script's prompt with the earlier parent choice (best first, then latest)
+  no-parents      the ruled-out list alone (the script's --n-parents 0)
+Any other flag is passed to every run (e.g. --children 2, --temperature 0.7).
+"""
 import argparse
 import json
 import os
 import sys
 import tempfile
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import grpo  # noqa: E402
-import sampling_evolve  # noqa: E402
+import sampling_evolve as se  # noqa: E402
+import verifier  # noqa: E402
+
+SCRIPT = {name: getattr(se, name) for name in ("evolution_prompt", "drop_copied_scaffold",
+                                               "select_parents", "ruled_out")}
 
 
-def curve(folder, summary):
-    """[(step, cumulative sampled tokens, held-out pass@1)] from a run's metrics.jsonl and summary."""
-    points, tokens = [(0, 0, summary["pass@1_before"])], 0
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    for r in records:
-        tokens += r.get("tokens_sampled_total", r["tokens_sampled"])
-        if "eval_pass@1" in r:
-            points.append((r["step"], tokens, r["eval_pass@1"]))
-    points.append((records[-1]["step"], tokens, summary["pass@1_after"]))
-    return points, records
+def latest_parents(db, n_parents):
+    """The earlier choice: the best reward first (the latest among ties), then the latest failures,
+    skipping one whose final answer was already picked."""
+    best = max(db, key=lambda node: (node["reward"], node["id"]))
+    picked, answers = [best], {best["answer"]}
+    for node in reversed(db):
+        if len(picked) < n_parents and node["reward"] < 1 and node["answer"] not in answers:
+            picked.append(node)
+            answers.add(node["answer"])
+    return picked[:n_parents]
+
+
+def old_prompt(tokenizer, question, db, args):
+    parents = latest_parents(db, args.n_parents)
+    parts = [question, "", se.HEADER]
+    for node in parents:
+        parts += ["", "Attempt:", se.shown_attempt(node["text"], args.max_attempt_chars),
+                  f"Verdict: {node['feedback']}"]
+    parts += ["", "Write a new, improved solution. Do not repeat an answer marked incorrect. "
+                  f"The problem again: {question}"]
+    return se.encode_prompt(tokenizer, "\n".join(parts), args.system_prompt), parents
+
+
+def chat_prompt(tokenizer, question, db, args):
+    parents = se.select_parents(db, args.n_parents)
+    messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    messages.append({"role": "user", "content": question})
+    for node in reversed(parents):  # a conversation runs oldest first
+        messages += [{"role": "assistant",
+                      "content": se.shown_attempt(node["text"], args.max_attempt_chars)},
+                     {"role": "user", "content": f"{node['feedback']} Try again."}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"], parents
+
+
+def keep_all(tokenizer, ids):
+    return ids, tokenizer.decode(ids, skip_special_tokens=True), False
+
+
+VARIANTS = {
+    "script": {},
+    "old": {"evolution_prompt": old_prompt, "drop_copied_scaffold": keep_all},
+    "chat": {"evolution_prompt": chat_prompt},
+    "no-ruled-out": {"ruled_out": lambda db: []},
+    "latest-parents": {"select_parents": latest_parents},
+    "no-parents": {"flags": ["--n-parents", "0"]},
+}
+
+
+def run(variant, seed, args, rest, out):
+    for name, function in SCRIPT.items():
+        setattr(se, name, VARIANTS[variant].get(name, function))
+    cuts, drop = [], se.drop_copied_scaffold
+
+    def counted(tokenizer, ids):  # how many children copied a label (the trees only say truncated)
+        kept = drop(tokenizer, ids)
+        cuts.append(kept[2])
+        return kept
+    se.drop_copied_scaffold = counted
+    folder = os.path.join(out, f"{variant}_seed{seed}")
+    flags = ["--mode", "search", "--rounds", str(args.rounds), "--eval-problems", str(args.problems),
+             "--seed", str(seed), "--output-dir", folder, *VARIANTS[variant].get("flags", []), *rest]
+    summary = se.main(flags)
+    trees = [json.loads(line) for line in open(os.path.join(folder, "evolution_trees.jsonl"))]
+    children = [node for tree in trees for node in tree["nodes"] if node["round"] > 0]
+    shown = [{n["answer"] for n in tree["nodes"] if n["reward"] < 1 and n["answer"]} for tree in trees]
+    repeats = sum(1 for tree, wrong in zip(trees, shown) for node in tree["nodes"]
+                  if node["round"] > 0 and node["answer"] in wrong
+                  and any(n["answer"] == node["answer"] for n in tree["nodes"]
+                          if n["round"] < node["round"]))
+    summary["children"] = {"total": len(children), "right": sum(n["reward"] >= 1 for n in children),
+                           "no_answer": sum(n["answer"] is None for n in children),
+                           "repeat_wrong": repeats, "copied_labels": sum(cuts)}
+    return summary
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dataset", default="arith:20-99")
-    parser.add_argument("--steps", type=int, default=8, help="steps of sampling_evolve.py (grpo.py: same tokens)")
-    parser.add_argument("--eval-every", type=int, default=2)
-    parser.add_argument("--eval-problems", type=int, default=32)
-    parser.add_argument("--output-dir", default=None, help="default: a temporary folder")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variants", nargs="+", default=["script"], choices=list(VARIANTS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--problems", type=int, default=20, help="held-out problems")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--output-dir", help="default: a temporary folder")
     args, rest = parser.parse_known_args()
     out = args.output_dir or tempfile.mkdtemp(prefix="bench_sampling_evolve_")
-    common = ["--dataset", args.dataset, "--eval-every", str(args.eval_every),
-              "--eval-problems", str(args.eval_problems), *rest]
-
-    evolve_dir = os.path.join(out, "sampling_evolve")
-    evolve = sampling_evolve.main([*common, "--steps", str(args.steps), "--output-dir", evolve_dir])
-    evolve_points, records = curve(evolve_dir, evolve)
-    budget = evolve_points[-1][1]
-    per_step = sum(r["tokens_sampled"] for r in records) / len(records)  # grpo's own cost of a step
-    grpo_steps = max(1, round(budget / per_step))
-
-    grpo_dir = os.path.join(out, "grpo")
-    baseline = grpo.main([*common, "--steps", str(grpo_steps), "--output-dir", grpo_dir])
-    grpo_points, _ = curve(grpo_dir, baseline)
-
-    print(f"\n{args.dataset}: held-out pass@1 against sampled tokens (same seed, same problems); "
-          f"sampling_evolve rescued {evolve['rescued_groups']} of {evolve['all_wrong_groups']} all-wrong groups, "
-          f"trained {evolve['evolved_trained']} evolved samples, evolution cost {evolve['evolve_tokens']} tokens")
-    print(f"{'sampling_evolve':^32} | {'grpo':^32}")
-    print(f"{'step':>6} {'tokens':>10} {'pass@1':>8}       | {'step':>6} {'tokens':>10} {'pass@1':>8}")
-    for i in range(max(len(evolve_points), len(grpo_points))):
-        left = "{:>6} {:>10} {:>8.3f}      ".format(*evolve_points[i]) if i < len(evolve_points) else " " * 32
-        right = "{:>6} {:>10} {:>8.3f}".format(*grpo_points[i]) if i < len(grpo_points) else ""
-        print(f"{left} | {right}")
-    print(f"total sampled tokens: sampling_evolve {budget}, grpo {grpo_points[-1][1]} "
-          f"(ratio {grpo_points[-1][1] / max(budget, 1):.2f}); wall seconds: sampling_evolve "
-          f"{evolve['train_seconds']:.0f}, grpo {baseline['train_seconds']:.0f} (training loop only)")
-    with open(os.path.join(out, "bench.json"), "w") as f:
-        json.dump({"sampling_evolve": evolve_points, "grpo": grpo_points, "budget": budget,
-                   "rescued_groups": evolve["rescued_groups"], "all_wrong_groups": evolve["all_wrong_groups"]}, f)
-    print(f"curves saved in {out}/bench.json")
+    results = {}
+    for variant in args.variants:
+        for seed in args.seeds:
+            results[f"{variant}_seed{seed}"] = summary = run(variant, seed, args, rest, out)
+            with open(os.path.join(out, "bench.json"), "w") as f:
+                json.dump(results, f, indent=1)
+            print(f"{variant} seed {seed}: children {summary['children']}", flush=True)
+    arms = ("evolve", "independent", "independent_same_tokens")
+    print(f"\n{args.problems} held-out problems ({verifier.ARITH_TEMPLATE}), seeds {args.seeds}: "
+          "share solved, mean [lowest, highest] over seeds; tokens read + written (means)")
+    print(f"{'variant':<15} {'round':>5} {'samples':>7} | {'evolve':^19} | {'independent':^19} | "
+          f"{'same tokens':^19} | {'evolve':^13} | {'independent':^13} | {'same tokens':^13}")
+    for variant in args.variants:
+        runs = [results[f"{variant}_seed{seed}"]["rounds"] for seed in args.seeds]
+        for r, row in enumerate(runs[0]):
+            solved = [[rounds[r][arm]["solved"] for rounds in runs] for arm in arms]
+            tokens = [[(rounds[r][arm]["tokens_read"], rounds[r][arm]["tokens_written"])
+                       for rounds in runs] for arm in arms]
+            print(f"{variant:<15} {row['round']:>5} {row['samples_per_problem']:>7} | " + " | ".join(
+                f"{np.mean(s):.3f} [{min(s):.2f}, {max(s):.2f}]" for s in solved) + " | " + " | ".join(
+                "{:>6.0f}+{:<6.0f}".format(*np.mean(t, axis=0)) for t in tokens))
+    print(f"runs saved in {out}")
 
 
 if __name__ == "__main__":

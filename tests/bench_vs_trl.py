@@ -7,10 +7,12 @@
 Flags: --model --steps --prompts-per-step --group-size --max-new-tokens --lr --micro-batch --seed
 --eval-problems --eval-samples --eval-k (defaults: grpo.py's). TRL is optional (pip install trl).
 
-Runs `python grpo.py` (HF generate, fp32, its defaults otherwise: beta 0, eps 0.2/0.28, token-mean loss,
-group-std advantages, temperature 1), then TRL in its own process (`--trl-worker`, so each ru_maxrss peak
-is its own), one after the other. Prints seconds a step, peak memory, held-out pass@1 (and pass@k)
-before and after for both, then the TRL / ours ratios and a JSON line.
+Runs grpo.py's default run (HF generate, fp32, its defaults otherwise: beta 0, eps 0.2/0.28, token-mean
+loss, group-std advantages, temperature 1) in a process of its own (`--ours-worker`: grpo.main with the
+flags `python grpo.py` would get, its sampler timed from outside), then TRL in its own process
+(`--trl-worker`), one after the other, so each ru_maxrss peak is its own. Prints seconds a step (and of
+them sampling), peak memory, held-out pass@1 (and pass@k) before and after for both, then the TRL / ours
+ratios and a JSON line.
 
 Matched: the model and its fp32 weights; the arith train split in grpo.py's order
 (np.random.default_rng(seed).permutation, P prompts a step, shuffle_dataset=False); the prompt tokens
@@ -18,8 +20,8 @@ Matched: the model and its fp32 weights; the arith train split in grpo.py's orde
 checked at run time); P x G completions a step in micro-batches of --micro-batch; max completion length,
 temperature 1, top_p 1, top_k 0; the reward (verifier.reward on the decoded completion); the clipped
 token loss with eps 0.2 / 0.28, no KL, loss_type="dapo" (= token-mean, see below); AdamW (torch, betas
-0.9/0.999, eps 1e-8), weight decay 0, constant lr, no warmup, grad-norm clip 1.0; fp32, no gradient
-checkpointing; the evaluation (grpo.evaluate and grpo.Sampler on the same held-out problems).
+0.9/0.999, eps 1e-8), weight decay 0 (grpo.py's), constant lr, no warmup, grad-norm clip 1.0; fp32, no
+gradient checkpointing; the evaluation (grpo.evaluate and grpo.Sampler on the same held-out problems).
 
 Not matched exactly: TRL's group std is Bessel-corrected (G - 1), ours is the population std, so TRL's
 advantages are sqrt((G-1)/G) of ours (0.94 at G = 8; AdamW and the grad-norm clip mostly absorb a
@@ -29,8 +31,9 @@ return sequences), TRL's shuffle of completions across micro-batches (the sum is
 skipping the forward/backward of zero-advantage completions (exact with beta 0; TRL forwards them all),
 and TRL's own bookkeeping (entropies, metric gathering) inside its step. Seconds a step: ours from
 metrics.jsonl; TRL from on_step_begin to on_step_end (generation, rewards, every micro-batch and the
-optimizer step; its per-step logging after on_step_end is left out). Sampling seconds: ours
-sampler.generate; TRL _generate_and_score_completions (generate, rewards, advantages). The 'after'
+optimizer step; its per-step logging after on_step_end is left out). Sampling seconds (grpo.py logs none):
+ours the training steps' Sampler.generate calls, timed around them by --ours-worker (the evaluations'
+calls left out); TRL _generate_and_score_completions (generate, rewards, advantages). The 'after'
 evaluations draw from different RNG states (each process's state after training); the 'before' ones
 should be equal. Time it on a quiet machine: two processes sharing the 2 cores slow each other many-fold.
 """
@@ -38,6 +41,7 @@ import argparse
 import importlib.util
 import json
 import os
+import random
 import resource
 import subprocess
 import sys
@@ -63,6 +67,7 @@ def parse_args():
         parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value,
                             help=f"as grpo.py's (default {value})")
     parser.add_argument("--trl-worker", metavar="RESULT_JSON", help=argparse.SUPPRESS)  # internal: the TRL side
+    parser.add_argument("--ours-worker", metavar="RESULT_JSON", help=argparse.SUPPRESS)  # internal: grpo.py's side
     return parser.parse_args()
 
 
@@ -73,14 +78,43 @@ def grpo_flags(args):
     return flags + ["--backend=hf", "--dtype=float32"]
 
 
+def ours_worker(args):
+    """grpo.py's run in this process: grpo.main with grpo_flags, as `python grpo.py` runs it (grpo.run_cli), with
+    each Sampler.generate call of a training step timed around it (grpo.py logs no sampling time; the calls inside
+    evaluate() are not counted). Writes the sampling seconds of each step as JSON."""
+    seconds, evaluating, generate, evaluate = [], [False], grpo.Sampler.generate, grpo.evaluate
+
+    def timed_generate(self, *a, **k):
+        t0 = time.time()
+        samples = generate(self, *a, **k)
+        if not evaluating[0]:
+            seconds.append(time.time() - t0)
+        return samples
+
+    def marked_evaluate(*a, **k):
+        evaluating[0] = True
+        try:
+            return evaluate(*a, **k)
+        finally:
+            evaluating[0] = False
+
+    grpo.Sampler.generate, grpo.evaluate = timed_generate, marked_evaluate  # Run looks evaluate up at call time
+    out = Path(args.ours_worker).parent / "grpo"
+    grpo.run_cli(lambda: grpo.main([*grpo_flags(args), f"--output-dir={out}"]))
+    Path(args.ours_worker).write_text(json.dumps({"sample_seconds": seconds}))
+
+
 def run_ours(args, folder):
-    out = Path(folder) / "grpo"
-    subprocess.run([sys.executable, str(ROOT / "grpo.py"), *grpo_flags(args), f"--output-dir={out}"],
+    result_file, out = Path(folder) / "ours.json", Path(folder) / "grpo"
+    subprocess.run([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--ours-worker", str(result_file)],
                    check=True, cwd=ROOT)
     summary = json.loads((out / "summary.json").read_text())
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    sample_seconds = json.loads(result_file.read_text())["sample_seconds"]
+    if len(sample_seconds) != len(steps):  # grpo.main samples once a step
+        sys.exit(f"bench_vs_trl.py: {len(sample_seconds)} timed sampler calls for {len(steps)} steps of grpo.py")
     return {"seconds_per_step": summary["seconds_per_step"], "peak_memory_gb": summary["peak_memory_gb"],
-            "sample_seconds": sum(r["sample_seconds"] for r in steps) / len(steps),
+            "sample_seconds": sum(sample_seconds) / len(sample_seconds),
             "pass@1_before": summary["pass@1_before"], "pass@1_after": summary["pass@1_after"],
             "pass@k_before": summary["pass@k_before"], "pass@k_after": summary["pass@k_after"],
             "reward_mean": [r["reward_mean"] for r in steps], "frac_zero_std": [r["frac_zero_std"] for r in steps],
@@ -97,11 +131,12 @@ def trl_worker(args):
     from trl import GRPOConfig, GRPOTrainer
 
     gargs = grpo.parse_args(grpo_flags(args))
-    grpo.check_args(gargs)
+    grpo.check_args(gargs, "grpo")
     P, G, mb = gargs.prompts_per_step, gargs.group_size, gargs.micro_batch
-    # As grpo.main: seed, data, model, then the 'before' evaluation (so it draws the same samples as ours).
-    grpo.seed_everything(gargs.seed)
-    train, held_out = grpo.load_data(gargs)
+    # As grpo.Run: seed, data, model, then the 'before' evaluation (so it draws the same samples as ours).
+    random.seed(gargs.seed), np.random.seed(gargs.seed), torch.manual_seed(gargs.seed)
+    train = verifier.load_problems(gargs.dataset, "train", None, gargs.seed)
+    held_out = verifier.load_problems(gargs.dataset, "test", None, gargs.seed)[: gargs.eval_problems]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = grpo.load_model(gargs.model, torch.float32, device)  # fp32, pad = eos, as ours
     before = grpo.evaluate(grpo.Sampler("hf", model, tokenizer), tokenizer, held_out, gargs)
@@ -149,7 +184,7 @@ def trl_worker(args):
         per_device_train_batch_size=mb, gradient_accumulation_steps=P * G // mb, num_iterations=1,
         shuffle_dataset=False, temperature=gargs.temperature, top_p=1.0, top_k=0,
         learning_rate=gargs.lr, lr_scheduler_type="constant", warmup_steps=0,  # TRL's default decays linearly
-        optim="adamw_torch", weight_decay=gargs.weight_decay, max_grad_norm=gargs.max_grad_norm,
+        optim="adamw_torch", weight_decay=0.0, max_grad_norm=gargs.max_grad_norm,  # grpo.Run's AdamW
         beta=gargs.beta, epsilon=gargs.eps_low, epsilon_high=gargs.eps_high, scale_rewards="group",
         # "dapo": each micro-batch's token-loss sum / num_items_in_batch, the completion tokens of the whole
         # generation batch; summed over the micro-batches = one global token mean = grpo.py's token-mean.
@@ -190,6 +225,8 @@ def main():
     args = parse_args()
     if args.trl_worker:
         return trl_worker(args)
+    if args.ours_worker:
+        return ours_worker(args)
     if importlib.util.find_spec("trl") is None:
         sys.exit("bench_vs_trl.py compares against TRL, an optional dependency: pip install trl")
     with tempfile.TemporaryDirectory() as folder:

@@ -9,8 +9,11 @@ process's maximum RSS) and wall time are measured from outside, so every method 
 
 Training (grpo.py, passk.py, w2spo.py, sampling_evolve.py --mode train): the same model, seed, task,
 prompts x group size, completion length, learning rate and sampled-token budget. --token-budget stops a
-run after the step at which the tokens it sampled for training reach the budget, so a method that samples
-more per step (SamplingEvolve's evolution rounds, W2SPO's continuations) takes fewer optimizer steps.
+run after the step at which the tokens it sampled (wrote) for training reach the budget: each step's
+tokens_sampled in metrics.jsonl, what Run.end_step sums. A method that samples more per step
+(SamplingEvolve's evolution rounds, W2SPO's continuations) takes fewer optimizer steps. Tokens read (the
+prompt each sample reads) are not budgeted; the table shows them where the script counts them
+(sampling_evolve.py: tokens_read, evolution's long prompts included).
 The task is arith-steps (verifier.py): the model writes a short working before its answer, so W2SPO has a
 middle of a trajectory to branch into, and the 135M model leaves all-wrong groups for SamplingEvolve to
 rescue. All four evaluate on the same held-out problems before (the same number for all: same seed, same
@@ -19,7 +22,9 @@ weights), every --eval-every steps, and after.
 Search (rse_search.py, sampling_evolve.py --mode search): no training, the same held-out problems, the
 same solver samples a problem (RSE: R rounds x K; SamplingEvolve: K first samples, then C children in
 each of R - 1 rounds, with K = C) at the same temperature, with top-p and top-k off for both. Each carries
-its own plain-sampling baseline of the same sample count.
+its own plain-sampling baseline of the same sample count (SamplingEvolve also one of the same tokens read
++ written). Per round: solved so far, and tokens read and written so far, for every method and baseline
+(RSE's include its distiller's prompts and replies).
 
 Writes <output-dir>/compare.json (everything), compare.md (the tables), and with --plot train.png and
 search.png; each run's own output is under <output-dir>/<method>/.
@@ -99,9 +104,11 @@ def training_row(name, summary, measured, metrics, prompts_per_step):
     """One row of the training table, plus the curves (cumulative sampled tokens -> reward, pass@1)."""
     tokens, reward_curve, eval_curve = 0, [], [(0, summary["pass@1_before"])]
     all_wrong, still_wrong = [], []
+    read = sum(record["tokens_read"] for record in metrics) if all("tokens_read" in r for r in metrics) else None
     for record in metrics:
-        # what each script counts against --token-budget: every token any model sampled for training
-        tokens += record.get("tokens_sampled_total", record["tokens_sampled"])
+        # what each script counts against --token-budget (Run.end_step's tokens_sampled): every token any
+        # model wrote for training
+        tokens += record["tokens_sampled"]
         reward_curve.append((tokens, record["reward_mean"]))
         if "eval_pass@1" in record:
             eval_curve.append((tokens, record["eval_pass@1"]))
@@ -112,7 +119,9 @@ def training_row(name, summary, measured, metrics, prompts_per_step):
             all_wrong.append(record["all_wrong_frac"])
     eval_curve.append((tokens, summary["pass@1_after"]))
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-    return {"method": name, "steps": summary["steps"], "tokens_sampled": tokens,
+    return {"method": name, "steps": summary["steps"], "tokens_sampled": tokens, "tokens_read": read,
+            "evolve_tokens_written": sum(r.get("evolve_tokens_written", 0) for r in metrics)
+            if name == "sampling_evolve" else None,
             "pass@1_before": summary["pass@1_before"], "pass@1_after": summary["pass@1_after"],
             "pass@k_before": summary["pass@k_before"], "pass@k_after": summary["pass@k_after"], "k": summary["k"],
             "all_wrong_frac": mean(all_wrong), "all_wrong_after_rescue": mean(still_wrong) if still_wrong else None,
@@ -122,19 +131,28 @@ def training_row(name, summary, measured, metrics, prompts_per_step):
 
 
 def search_rows(rse, evolve):
-    """Per round: samples a problem so far and the cumulative solved rates of both methods and their baselines."""
+    """Per round: samples a problem so far; for both methods and their baselines the cumulative solved rate and
+    tokens read and written so far. RSE's summary counts each round's tokens (solver, and its distiller's, which
+    builds the next round's bank; its baseline: solver only, round 0 shared), summed here; SamplingEvolve's arms
+    are cumulative already (round 0 shared by every arm)."""
     rows = []
+    so_far = lambda rounds, keys: sum(x[key] for x in rounds for key in keys)  # noqa: E731
     for r, rse_row in enumerate(rse["rounds"]):
-        evo = evolve["rounds"][r]
-        baseline = rse["baseline"][r] if rse["baseline"] else {}
-        rows.append({"round": r, "samples_per_problem": (r + 1) * rse["samples_per_round"],
-                     "evolve_samples_per_problem": evo["samples_per_problem"],
-                     "rse_pass@1": rse_row["pass@1"], "rse_solved": rse_row["solved_cumulative"],
-                     "rse_baseline_solved": baseline.get("solved_cumulative"),
-                     "evolve_solved": evo["solved_cumulative"],
-                     "independent_solved": evo["solved_cumulative_independent"],
-                     "rse_tokens": sum(x["solver_tokens"] + x["distill_tokens"] for x in rse["rounds"][: r + 1]),
-                     "evolve_tokens": evo["tokens"]})
+        evo, baseline = evolve["rounds"][r], rse["baseline"][: r + 1]
+        row = {"round": r, "samples_per_problem": (r + 1) * rse["samples_per_round"],
+               "evolve_samples_per_problem": evo["samples_per_problem"],
+               "rse_pass@1": rse_row["pass@1"], "rse_baseline_pass@1": baseline[r]["pass@1"] if baseline else None,
+               "rse_solved": rse_row["solved_cumulative"],
+               "rse_tokens_read": so_far(rse["rounds"][: r + 1], ("solver_prompt_tokens", "distill_prompt_tokens")),
+               "rse_tokens_written": so_far(rse["rounds"][: r + 1], ("solver_tokens", "distill_tokens")),
+               "rse_baseline_solved": baseline[r]["solved_cumulative"] if baseline else None,
+               "rse_baseline_tokens_read": so_far(baseline, ("solver_prompt_tokens",)) if baseline else None,
+               "rse_baseline_tokens_written": so_far(baseline, ("solver_tokens",)) if baseline else None}
+        for arm, name in (("evolve", "evolve"), ("independent", "independent"),
+                          ("independent_same_tokens", "same_tokens")):
+            row.update({f"{name}_solved": evo[arm]["solved"], f"{name}_tokens_read": evo[arm]["tokens_read"],
+                        f"{name}_tokens_written": evo[arm]["tokens_written"]})
+        rows.append(row)
     return rows
 
 
@@ -142,32 +160,49 @@ def pct(x):
     return "-" if x is None else f"{100 * x:.1f}"
 
 
+def count(x):
+    return "-" if x is None else str(x)
+
+
 def tables_markdown(train, search, search_meta):
-    lines = ["| method | steps | tokens sampled | pass@1 % before → after | pass@k % before → after "
-             "| all-wrong groups % | s / step | peak RSS GB | wall |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | steps | tokens sampled (written; the budget) | tokens read | pass@1 % before → after "
+             "| pass@k % before → after | all-wrong groups % | s / step | peak RSS GB | wall |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in train:
         wrong = pct(row["all_wrong_frac"])
         if row["all_wrong_after_rescue"] is not None:
             wrong += f" ({pct(row['all_wrong_after_rescue'])} after rescue)"
-        lines.append(f"| {row['method']} | {row['steps']} | {row['tokens_sampled']} | {pct(row['pass@1_before'])} → "
+        written = str(row["tokens_sampled"]) + (f" ({row['evolve_tokens_written']} by evolution)"
+                                                if row["evolve_tokens_written"] is not None else "")
+        lines.append(f"| {row['method']} | {row['steps']} | {written} | {count(row['tokens_read'])} | "
+                     f"{pct(row['pass@1_before'])} → "
                      f"**{pct(row['pass@1_after'])}** | {pct(row['pass@k_before'])} → {pct(row['pass@k_after'])} "
                      f"(k={row['k']}) | {wrong} | {row['seconds_per_step']:.1f} | {row['peak_rss_gb']:.2f} | "
                      f"{row['wall_seconds'] / 60:.1f} min |")
+    lines += ["", "Tokens read: the prompt tokens each sample reads, where the script counts them (\"-\": it does "
+                  "not); tokens sampled: what --token-budget counts."]
     if search:
-        lines += ["", "| round | samples a problem | RSE pass@1 % | RSE solved % | its plain baseline solved % "
-                      "| SamplingEvolve solved % | its independent baseline solved % | RSE tokens "
-                      "| SamplingEvolve tokens |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        def tokens(row, name):
+            return f"{count(row[name + '_tokens_read'])} / {count(row[name + '_tokens_written'])}"
+        lines += ["", "| round | samples a problem | RSE pass@1 % (its baseline) | RSE solved % | RSE tokens read / "
+                      "written | its plain baseline solved % | its tokens read / written | SamplingEvolve solved % "
+                      "| SamplingEvolve tokens read / written | its independent baseline solved % | its tokens read / "
+                      "written | its same-tokens baseline solved % | its tokens read / written |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in search:
-            lines.append(f"| {row['round']} | {row['samples_per_problem']} | {pct(row['rse_pass@1'])} | "
-                         f"{pct(row['rse_solved'])} | {pct(row['rse_baseline_solved'])} | "
-                         f"{pct(row['evolve_solved'])} | {pct(row['independent_solved'])} | {row['rse_tokens']} | "
-                         f"{row['evolve_tokens']} |")
+            lines.append(f"| {row['round']} | {row['samples_per_problem']} | {pct(row['rse_pass@1'])} "
+                         f"({pct(row['rse_baseline_pass@1'])}) | {pct(row['rse_solved'])} | {tokens(row, 'rse')} | "
+                         f"{pct(row['rse_baseline_solved'])} | {tokens(row, 'rse_baseline')} | "
+                         f"{pct(row['evolve_solved'])} | {tokens(row, 'evolve')} | {pct(row['independent_solved'])} | "
+                         f"{tokens(row, 'independent')} | {pct(row['same_tokens_solved'])} | "
+                         f"{tokens(row, 'same_tokens')} |")
         lines.append("")
         lines.append(f"Search: {search_meta['problems']} held-out problems; wall time RSE "
                      f"{search_meta['rse_wall'] / 60:.1f} min (peak RSS {search_meta['rse_rss']:.2f} GB), "
                      f"SamplingEvolve {search_meta['evolve_wall'] / 60:.1f} min "
-                     f"(peak RSS {search_meta['evolve_rss']:.2f} GB); tokens include RSE's distiller replies.")
+                     f"(peak RSS {search_meta['evolve_rss']:.2f} GB). Solved and tokens are so far (cumulative); "
+                     f"a token read is a prompt token read by one sample; RSE's tokens include its distiller's "
+                     f"prompts and replies; round 0 is shared by each method and its baselines.")
     return "\n".join(lines) + "\n"
 
 

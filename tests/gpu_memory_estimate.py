@@ -7,7 +7,7 @@
    real optimizer step of the given model; exact, not an RSS reading).
 2. Applies that rule to 24, 80 and 141 GB GPUs. With --backend vllm the engine reserves
    --gpu-memory-utilization of the GPU at start (bf16 weights, 2 bytes a parameter, plus its KV cache);
-   with sleep mode (level 1, the default on a GPU) it hands that back while the policy trains, and takes it
+   with sleep mode (level 1, always on a GPU) it hands that back while the policy trains, and takes it
    again to sample while the policy's weights and optimizer state (12 bytes a parameter) stay resident.
    `activations_gb` is an allowance for activations and the CUDA context (an assumption, printed).
    These are estimates from arithmetic, not measurements on a GPU."""
@@ -53,7 +53,7 @@ def main():
     u = args.gpu_memory_utilization
     print(f"\nlargest trainable model (billions of parameters), {per_param:.0f} B/param, "
           f"{args.activations_gb:.0f} GB for activations and context:")
-    print(f"{'GPU':>6}  {'hf backend':>11}  {'vllm, sleep mode':>17}  {'vllm, --no-sleep':>17}")
+    print(f"{'GPU':>6}  {'hf backend':>11}  {'vllm, sleep mode':>17}  {'vllm, no sleep':>17}")
     for gb in (24, 80, 141):
         hf = (gb - args.activations_gb) / per_param
         # sleep: peak while training is all but the engine; while sampling the engine's share is back and the
