@@ -82,7 +82,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # see the docstring
     add_common_args(parser)  # a search trains nothing: no training flags
     add, count, at_least_0 = parser.add_argument, bounded(int, 1), bounded(int, 0)
-    add("--rounds", type=count, default=4, help="R: round 0 plain, then R - 1 rounds with the bank")
+    add("--rounds", type=count, default=3, help="R: round 0 plain, then R - 1 rounds with the bank")
     add("--samples-per-round", type=count, default=4, help="K: solver samples a problem and round")
     add("--first-round-samples", type=count, help="K_0: round 0's samples (default: K)")
     add("--top-p", type=bounded(float, 0, True), default=0.95, help="solver and distiller nucleus")
