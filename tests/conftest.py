@@ -1,4 +1,6 @@
-"""Shared fixtures: the repo root on sys.path and a tiny random-weight model built offline."""
+"""Shared fixtures: the repo root on sys.path and a tiny random-weight model built offline; the order
+of the tests for `-n 2` (pytest-xdist: two workers, as CI and the README run the suite)."""
+import os
 import string
 import sys
 from pathlib import Path
@@ -7,6 +9,29 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# vLLM's CPU build sizes its KV cache from --gpu-memory-utilization x the memory node's size minus this
+# process's size, which other tests (and the other worker) make unpredictable: a fixed KV cache, in GiB.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "3")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread a worker (and its subprocesses): two workers
+    os.environ["OMP_NUM_THREADS"] = "1"     # on two cores, not four threads fighting for them
+
+# The real-model learning runs are most of the suite's time: they go first, these two to one worker
+# and those two to the other, and every other test goes to whichever worker is free.
+LONG = ["test_w2spo.py::test_default_run_learns", "test_sampling_evolve.py::test_default_run_learns",
+        "test_learning.py::test_grpo_default_run_rises",
+        "test_learning.py::test_passk_default_run_raises_pass_at_k"]
+
+
+def pytest_configure(config):
+    """-n 2 deals the tests one at a time (xdist's default deals chunks of consecutive tests, which
+    could queue two long runs on one worker); the first two tests go to each worker."""
+    if getattr(config.option, "maxschedchunk", "absent") is None:
+        config.option.maxschedchunk = 1
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONG)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("/")[-1], len(LONG)))  # stable
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -37,18 +62,6 @@ def build_tiny_model(folder, seed=0):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
-
-
-def vllm_memory_share(kv_cache_gb=2.5):
-    """--gpu-memory-utilization for a vLLM test on the CPU build, as a string. There the share is of the
-    machine's RAM and counts what this process already holds (after other tests' models, it may be
-    several GB), so a fixed small share can leave the KV cache a negative budget: ask for what the process
-    holds now plus room for the cache."""
-    import os
-    with open("/proc/self/statm") as f:
-        resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return f"{min(0.9, (resident + kv_cache_gb * 2**30) / total):.3f}"
 
 
 @pytest.fixture(scope="session")

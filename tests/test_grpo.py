@@ -337,6 +337,22 @@ def test_converting_the_default_model_leaves_the_rng_alone(tmp_path, monkeypatch
     assert (tmp_path / "SmolLM2-135M-Instruct" / "config.json").exists() and folder.startswith(str(tmp_path))
 
 
+def test_two_processes_converting_the_default_model_at_once_both_succeed(tmp_path):
+    """Tests on two workers (-n 2), or two runs started together, may both find no converted model: both
+    convert it, one renames its copy into place first, and the other must keep that copy, not fail."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "RLVR_CACHE": str(tmp_path)}  # nothing cached: both convert
+    code = "import grpo; print(grpo.resolve_model_path('smollm2-135m'))"
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=grpo.os.path.dirname(grpo.__file__), env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-500:] for _, err in outputs]
+    assert {out.strip() for out, _ in outputs} == {str(tmp_path / "SmolLM2-135M-Instruct")}
+    assert os.listdir(tmp_path) == ["SmolLM2-135M-Instruct"]  # the other copy was removed
+    assert (tmp_path / "SmolLM2-135M-Instruct" / "config.json").exists()
+
 def test_a_nonfinite_step_is_skipped_and_never_applied(tiny_model_dir):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import rse_search
-from conftest import vllm_memory_share
 
 EMPTY = {"propositions": [], "pitfalls": []}
 
@@ -435,7 +434,6 @@ def test_one_guided_round_through_vllm_with_structured_output(tmp_path):
     summary = rse_search.main(["--backend", "vllm", "--rounds", "2", "--samples-per-round", "2",
                                "--eval-problems", "2", "--max-new-tokens", "16",
                                "--distill-max-new-tokens", "48", "--distill-retries", "0",
-                               "--gpu-memory-utilization", vllm_memory_share(),
                                "--max-model-len", "1024", "--output-dir", str(out)])
     assert summary["backend"] == "vllm" and [r["round"] for r in summary["rounds"]] == [0, 1]
     assert summary["rounds"][0]["distill_tokens"] > 0 and summary["rounds"][1]["solver_tokens"] > 0

