@@ -15,11 +15,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "3")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread a worker (and its subprocesses): two workers
     os.environ["OMP_NUM_THREADS"] = "1"     # on two cores, not four threads fighting for them
 
-# The real-model learning runs are most of the suite's time: they go first, these two to one worker
-# and those two to the other, and every other test goes to whichever worker is free.
-LONG = ["test_w2spo.py::test_default_run_learns", "test_sampling_evolve.py::test_default_run_learns",
-        "test_learning.py::test_grpo_default_run_rises",
-        "test_learning.py::test_passk_default_run_raises_pass_at_k"]
+# The real-model learning runs are most of the suite's time: they go first, the longest with the
+# shortest to one worker, the other two to the other; every other test goes to whichever is free.
+LONG = ["test_w2spo.py::test_default_run_learns", "test_learning.py::test_passk_default_run_raises_pass_at_k",
+        "test_sampling_evolve.py::test_default_run_learns", "test_learning.py::test_grpo_default_run_rises"]
 
 
 def pytest_configure(config):
