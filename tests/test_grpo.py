@@ -353,6 +353,7 @@ def test_two_processes_converting_the_default_model_at_once_both_succeed(tmp_pat
     assert os.listdir(tmp_path) == ["SmolLM2-135M-Instruct"]  # the other copy was removed
     assert (tmp_path / "SmolLM2-135M-Instruct" / "config.json").exists()
 
+
 def test_a_nonfinite_step_is_skipped_and_never_applied(tiny_model_dir):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
