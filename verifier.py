@@ -2,7 +2,8 @@ r"""Answer checking for RLVR (reinforcement learning with verifiable rewards).
 
 The rule: a completion's final answer is the content of its last \boxed{...} (or \fbox{...}),
 else the last number in its text (3e5 and 3 \times 10^{5} are one number). The reward is 1.0
-when that answer is equivalent to the gold answer, else 0.0.
+when that answer is equivalent to the gold answer, else 0.0. Thinking is not an answer: it is
+read after the last </think>, and a <think> block never closed (out of tokens) holds none.
 
 Exact tier: numbers are exact rationals (0.5 == 1/2, 3e5 == 300000, but 0.333 != 1/3), once
 formatting is removed (LaTeX spacing, \text{}, units also with an exponent as in 5\text{ m}^2,
@@ -74,9 +75,11 @@ def extract_answer(text) -> str | None:
 
     >>> extract_answer(r"\boxed{1}, no: \boxed{\frac{1}{2}}"), extract_answer("so 3e5 m.")
     ('\\frac{1}{2}', '3e5')
+    >>> extract_answer("<think>2 + 2 = 4</think> 5"), extract_answer("<think>2 + 2 = 4")
+    ('5', None)
     """
     try:
-        text = "" if text is None else str(text)
+        text = _after_thinking("" if text is None else str(text))
         if (boxed := _boxed_content(text)) is not None:
             return boxed
         numbers = _LAST_NUMBER_RE.findall(text)
@@ -222,6 +225,11 @@ _LAST_NUMBER_RE = re.compile(
     (?!\d)""",
     re.VERBOSE,
 )
+
+def _after_thinking(text: str) -> str:
+    """What follows the last </think>; "" inside a <think> block that is never closed."""
+    _, closed, after = text.rpartition("</think>")
+    return after if closed or "<think>" not in text else ""
 
 def _boxed_content(text: str) -> str | None:
     """Content of the last complete \\boxed{...}/\\fbox{...}, or of "\\boxed 5"."""
