@@ -16,14 +16,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread a worker (and its subpro
     os.environ["OMP_NUM_THREADS"] = "1"     # on two cores, not four threads fighting for them
 
 # The real-model learning runs are most of the suite's time: they go first, the longest with the
-# shortest to one worker, the other two to the other; every other test goes to whichever is free.
-LONG = ["test_w2spo.py::test_default_run_learns", "test_learning.py::test_passk_default_run_raises_pass_at_k",
-        "test_sampling_evolve.py::test_default_run_learns", "test_learning.py::test_grpo_default_run_rises"]
+# shortest to one worker, the other two to the other, then compare.py; the rest as a worker is free.
+LONG = ["test_learning.py::test_w2spo_trains_the_branches_of_both_models",
+        "test_learning.py::test_an_update_pushes_better_completions_up_and_worse_down[grpo]",
+        "test_learning.py::test_sampling_evolve_evolves_the_all_wrong_groups",
+        "test_learning.py::test_an_update_pushes_better_completions_up_and_worse_down[passk]",
+        "test_compare.py::test_compare_quick_end_to_end"]
 
 
 def pytest_configure(config):
     """-n 2 deals the tests one at a time (xdist's default deals chunks of consecutive tests, which
-    could queue two long runs on one worker); the first two tests go to each worker."""
+    could queue two long runs on one worker); the first two tests go to each worker. The marker
+    `cuda`: tests for a machine with CUDA (skipped without; `python -m pytest tests/ -m cuda`)."""
+    config.addinivalue_line("markers", "cuda: needs CUDA (python -m pytest tests/ -m cuda)")
     if getattr(config.option, "maxschedchunk", "absent") is None:
         config.option.maxschedchunk = 1
 
@@ -66,3 +71,15 @@ def build_tiny_model(folder, seed=0):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+def keep_applied_gradients(model, optimizer):
+    """train_step frees the gradients after its last optimizer step; a test that inspects them calls
+    this first and then restore() puts back each weight's .grad as that step applied it."""
+    applied = {}
+    optimizer.register_step_pre_hook(lambda *_: applied.update({p: p.grad for p in model.parameters()}))
+
+    def restore():
+        for p, grad in applied.items():
+            p.grad = grad
+    return restore

@@ -1,69 +1,102 @@
-"""How large a model fits on one GPU with the training scripts' defaults: the memory rule, checked.
+"""How large a model fits on one GPU with the training scripts: the memory rule, measured.
 
     python tests/gpu_memory_estimate.py [--model smollm2-135m] [--gpu-memory-utilization 0.3]
 
-1. Counts, on the CPU, the bytes a training step keeps per parameter: fp32 master weights (4),
-   their gradients (4) and AdamW's two moments (8) = 16 bytes a parameter (tensor sizes summed after one
-   real optimizer step of the given model; exact, not an RSS reading).
-2. Applies that rule to 24, 80 and 141 GB GPUs. With --backend vllm the engine reserves
-   --gpu-memory-utilization of the GPU at start (bf16 weights, 2 bytes a parameter, plus its KV cache);
-   with sleep mode (level 1, always on a GPU) it hands that back while the policy trains, and takes it
-   again to sample while the policy's weights and optimizer state (12 bytes a parameter) stay resident.
-   `activations_gb` is an allowance for activations and the CUDA context (an assumption, printed).
-   These are estimates from arithmetic, not measurements on a GPU."""
+1. Measures, on the CPU, the peak memory of one real training step of the model (forward and
+   backward under bf16 autocast, the AdamW step, the gradients freed after it) with torch's memory
+   profiler, which files every allocation under a category: the fp32 master weights, AdamW's two
+   moments, the gradients, autocast's bf16 copies of the weights (held for the backward pass),
+   activations, and the step's temporaries (foreach AdamW allocates one the size of a moment;
+   fused AdamW, what the scripts use on a GPU, does not). The peak is printed in bytes per parameter
+   for both optimizers, split by category at the moment of the peak.
+2. Applies that rule to 24, 80 and 141 GB cards. With --backend vllm the engine takes
+   --gpu-memory-utilization of the card while it samples (bf16 weights and KV cache) and sleeps at
+   level 2 while the policy trains (its memory handed back), so the policy needs its peak while
+   training and its weights and moments (12 bytes per parameter; no gradients) beside the engine.
+   --activations-gb is an allowance for activations and the CUDA context (printed with the table).
+The same step on a GPU is `pytest tests/test_cuda.py -m cuda` (torch.cuda.max_memory_allocated)."""
 import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpo  # noqa: E402
 
+CATEGORIES = ["weights", "AdamW moments", "inputs", "temporaries", "activations", "gradients",
+              "autograd", "other"]  # the profiler's columns 1..8, in its order (None is last)
 
-def bytes_per_parameter(model_name):
-    model, tokenizer = grpo.load_model(model_name, torch.float32, "cpu")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    ids, attention, mask = grpo.build_batch([grpo.encode_prompt(tokenizer, "1 + 1?")],
-                                            [tokenizer("2", add_special_tokens=False)["input_ids"]],
-                                            tokenizer.pad_token_id)
-    logp, _ = grpo.token_logprobs(model, ids, attention, mask.shape[1], 1.0, micro_batch=1)
+
+def training_step(model, optimizer, batch, compute_dtype):
+    """Forward and backward of one micro-batch under autocast, the optimizer step, the gradients
+    freed: what train_step does per batch."""
+    ids, attention, mask = batch
+    logp, _ = grpo.token_logprobs(model, ids, attention, mask.shape[1], 1.0, len(ids),
+                                  compute_dtype=compute_dtype)
     (-logp.sum()).backward()
     optimizer.step()
-    params = list(model.parameters())
-    count = sum(p.numel() for p in params)
-    weights = sum(p.numel() * p.element_size() for p in params)
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
-                if torch.is_tensor(t) and t.dim() > 0)
-    return count, weights / count, grads / count, state / count
+    optimizer.zero_grad(set_to_none=True)
+
+
+def peak_bytes_per_parameter(model, fused, compute_dtype=torch.bfloat16, rows=2):
+    """(peak bytes per parameter, {category: bytes per parameter at the peak}) of one CPU step."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=fused, foreach=not fused)
+    prompt, completion = [1, 2, 3, 4], [5, 6, 7, 8]
+    batch = grpo.build_batch([prompt] * rows, [completion] * rows, pad_id=0)
+    training_step(model, optimizer, batch, compute_dtype)  # the moments exist from the first step
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as profiler:
+        training_step(model, optimizer, batch, compute_dtype)
+    timeline = MemoryProfileTimeline(profiler._memory_profile())
+    _, sizes = timeline._coalesce_timeline("cpu")  # [times, 1 + categories] bytes alive
+    sizes = np.array(sizes)[:, 1:]
+    peak = sizes.sum(axis=1).argmax()
+    count = sum(p.numel() for p in model.parameters())
+    return sizes[peak].sum() / count, dict(zip(CATEGORIES, sizes[peak] / count))
+
+
+def largest_models(per_parameter, card_gb, share, activations_gb):
+    """Billions of parameters that fit: HF backend; vLLM asleep (level 2) while training, awake
+    with its share beside the weights and moments (12 bytes per parameter) while sampling."""
+    training = (card_gb - activations_gb) / per_parameter
+    sampling = ((1 - share) * card_gb - 1.0) / 12  # 1 GB: the CUDA context
+    return training, min(training, sampling)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--activations-gb", type=float, default=4.0,
-                        help="allowance for activations (micro-batch 8 of short sequences) and the CUDA context")
+                        help="allowance for activations (micro-batch 8 of short sequences) and "
+                             "the CUDA context")
     args = parser.parse_args()
-    count, w, g, s = bytes_per_parameter(args.model)
-    per_param = w + g + s
-    print(f"{args.model}: {count / 1e6:.1f}M parameters; bytes a parameter: weights {w:.0f} + gradients {g:.0f} "
-          f"+ AdamW state {s:.0f} = {per_param:.0f}")
+    model, _ = grpo.load_model(args.model, torch.float32, "cpu")
+    count = sum(p.numel() for p in model.parameters())
+    print(f"{args.model}: {count / 1e6:.1f}M parameters; peak of one training step, bytes per "
+          "parameter (bf16 autocast, fp32 master weights), split at the peak:")
+    peaks = {}
+    for name, fused in (("foreach AdamW (CPU)", False), ("fused AdamW (GPU)", True)):
+        peak, split = peak_bytes_per_parameter(model, fused)
+        peaks[fused] = peak
+        parts = ", ".join(f"{key} {value:.1f}" for key, value in split.items() if value >= 0.05)
+        print(f"  {name:>20}: {peak:.1f} = {parts}")
+    per_parameter = peaks[True]
     u = args.gpu_memory_utilization
-    print(f"\nlargest trainable model (billions of parameters), {per_param:.0f} B/param, "
-          f"{args.activations_gb:.0f} GB for activations and context:")
-    print(f"{'GPU':>6}  {'hf backend':>11}  {'vllm, sleep mode':>17}  {'vllm, no sleep':>17}")
+    print(f"\nlargest trainable model on one GPU (billions of parameters), fused AdamW "
+          f"({per_parameter:.1f} bytes per parameter), {args.activations_gb:.0f} GB for "
+          f"activations and context; vLLM at {u:.0%} while it samples:")
+    print(f"{'GPU':>6}  {'hf backend':>11}  {'vllm (sleeps at level 2)':>25}")
     for gb in (24, 80, 141):
-        hf = (gb - args.activations_gb) / per_param
-        # sleep: peak while training is all but the engine; while sampling the engine's share is back and the
-        # policy keeps weights + AdamW state (the gradients are freed by zero_grad(set_to_none=True)).
-        resident = w + s
-        sleep = min((gb - args.activations_gb) / per_param, ((1 - u) * gb - 1.0) / resident)
-        awake = ((1 - u) * gb - args.activations_gb) / per_param
-        print(f"{gb:>4}GB  {hf:>11.1f}  {sleep:>17.1f}  {awake:>17.1f}")
-    print(f"\n(the engine's {u:.0%} must also hold its bf16 weights, 2 B/param: e.g. 8B -> 16 GB, and a KV cache; "
-          "raise --gpu-memory-utilization for long completions, lower it to give the policy more)")
+        hf, vllm = largest_models(per_parameter, gb, u, args.activations_gb)
+        print(f"{gb:>4}GB  {hf:>11.1f}  {vllm:>25.1f}")
+    print(f"\n(vLLM's {u:.0%} must also hold its bf16 weights, 2 bytes per parameter: 8B -> 16 GB, "
+          "and a KV cache; raise --gpu-memory-utilization for long completions)")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import grpo
+from conftest import keep_applied_gradients
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -85,8 +86,9 @@ def test_loss_aggregation(agg, expected):
 
 def test_cut_at_eos_and_completion_mask_keeps_eos():
     eos = 2
-    assert grpo.cut_at_eos([5, 6, 2, 2, 2], eos) == ([5, 6, 2], False)
-    assert grpo.cut_at_eos([5, 6, 7], eos) == ([5, 6, 7], True)
+    assert grpo.cut_at_eos([5, 6, 2, 2, 2], {eos}) == ([5, 6, 2], False)
+    assert grpo.cut_at_eos([5, 6, 7], {eos}) == ([5, 6, 7], True)
+    assert grpo.cut_at_eos([5, 7, 6, 2], {eos, 7}) == ([5, 7], False)  # any stop id ends it
     ids, attention, mask = grpo.build_batch([[9, 8], [7]], [[5, 2], [6, 6, 2]], pad_id=eos)
     # prompts left-padded, completions right-padded with pad == eos
     assert ids.tolist() == [[9, 8, 5, 2, 2], [2, 7, 6, 6, 2]]
@@ -135,7 +137,9 @@ def test_train_step_gradient_equals_full_batch_loss(tiny_model_dir):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: keep weights, inspect the gradient
         if use_train_step:
             batch = {"prompts": prompts, "samples": [{"ids": c} for c in completions], "advantages": advantages}
+            restore = keep_applied_gradients(model, optimizer)
             stats = grpo.train_step(model, optimizer, batch, args)
+            restore()
             assert stats["trained_sequences"] == 2  # the two A = 0 rows were not forwarded
         else:
             logp, _ = grpo.token_logprobs(model, ids, attention, mask.shape[1], 1.0, micro_batch=4)

@@ -15,6 +15,7 @@ import torch
 
 import sampling_evolve as se
 import verifier
+from conftest import keep_applied_gradients
 
 
 def make_db(entries, gold="99"):
@@ -203,7 +204,10 @@ def test_rescued_group_has_a_gradient_where_the_all_wrong_group_had_none(tiny_mo
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         batch = dict(prompts=[bare] * G, samples=rows,
                      advantages=se.group_advantages(rewards, G))
-        stats = se.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, args)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        restore = keep_applied_gradients(model, optimizer)
+        stats = se.train_step(model, optimizer, batch, args)
+        restore()
         grads = [p.grad.norm() for p in model.parameters() if p.grad is not None]
         norms.append((stats["trained_sequences"], float(torch.stack(grads).norm()) if grads else 0.0))
     assert norms[0] == (0, 0.0)  # all wrong: A = 0 everywhere, nothing to learn
@@ -405,19 +409,3 @@ def test_one_search_round_through_vllm(tiny_model_dir, tmp_path):
     trees = [json.loads(line) for line in (tmp_path / "evolution_trees.jsonl").read_text().splitlines()]
     assert any(n["round"] == 1 for t in trees for n in t["nodes"]) or all(
         any(n["reward"] for n in t["nodes"]) for t in trees)  # evolved, unless round 0 solved everything
-
-
-# ----------------------------------------------------------------------------- learning, for real (slow)
-
-def test_default_run_learns(tmp_path):
-    """The default run (SmolLM2-135M-Instruct, built-in arithmetic, CPU), shortened to 5 steps and
-    16 held-out problems x 4 samples to fit the CI budget: all-wrong groups occur and are evolved, and
-    held-out pass@1 rises. Rescues are not asserted: with this model they are rare; the rescue itself
-    is tested above on the tiny model."""
-    summary = se.main(["--output-dir", str(tmp_path), "--steps", "5", "--eval-problems", "16",
-                       "--eval-samples", "4"])
-    print({k: v for k, v in summary.items() if k != "args"})
-    assert summary["all_wrong_groups"] >= 3 and summary["evolve_tokens_written"] > 0, summary
-    assert summary["tokens_read"] > summary["tokens_sampled"], summary
-    assert summary["evolved_trained"] <= 2 * summary["rescued_groups"] <= 2 * summary["all_wrong_groups"]
-    assert summary["pass@1_after"] - summary["pass@1_before"] >= 0.15, summary

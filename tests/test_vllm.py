@@ -24,15 +24,18 @@ def make_engine(model, dtype=torch.float32, **flags):
     return grpo.create_vllm_engine(model, args, dtype)
 
 
-def engine_vs_policy_gap(sampler, policy, tokenizer, temperature=1.0, max_new_tokens=16):
-    """Mean |log p_engine - log p_policy| over freshly sampled tokens (fp32)."""
+def engine_vs_policy_gap(sampler, policy, tokenizer, temperature=1.0, max_new_tokens=16,
+                         compute_dtype=torch.float32):
+    """Mean |log p_engine - log p_policy| over freshly sampled tokens (policy: fp32 weights,
+    compute_dtype compute)."""
     prompts = [grpo.encode_prompt(tokenizer, q) for q in PROMPTS]
     samples = sampler.generate(prompts, 4, max_new_tokens, temperature)
     rows = [prompts[i // 4] for i in range(len(samples))]
     ids, attention, mask = grpo.build_batch(rows, [s["ids"] for s in samples], tokenizer.pad_token_id)
     engine_logp, _ = grpo.pad([s["sampler_logprobs"] for s in samples], 0.0, dtype=torch.float32)
     with torch.no_grad():
-        policy_logp, _ = grpo.token_logprobs(policy, ids, attention, mask.shape[1], temperature, micro_batch=16)
+        policy_logp, _ = grpo.token_logprobs(policy, ids, attention, mask.shape[1], temperature, micro_batch=16,
+                                             compute_dtype=compute_dtype)
     return (policy_logp - engine_logp).abs()[mask.bool()].mean().item()
 
 
@@ -110,9 +113,38 @@ def test_bf16_engine_takes_fp32_master_weights(tiny_model_dir):
     stale = engine_vs_policy_gap(sampler, policy, tokenizer)
     grpo.sync_weights(engine, policy)
     synced = engine_vs_policy_gap(sampler, policy, tokenizer)
-    print(f"bf16 engine vs fp32 policy |dlogp|: at start {at_start:.3g}, stale {stale:.3g}, synced {synced:.3g}")
+    synced_bf16 = engine_vs_policy_gap(sampler, policy, tokenizer, compute_dtype=torch.bfloat16)
+    print(f"bf16 engine vs fp32 policy |dlogp|: at start {at_start:.3g}, stale {stale:.3g}, synced {synced:.3g}; "
+          f"synced, policy in bf16 compute (the GPU set-up): {synced_bf16:.3g}")
+    assert synced_bf16 < 0.05, synced_bf16
     assert next(policy.parameters()).dtype == torch.float32  # the sync did not touch the master weights
     assert synced < 0.05, f"more than bf16 rounding between engine and policy after the sync: {synced}"
     assert stale > 5 * synced and stale > 0.05, (stale, synced)
+    del engine, sampler
+    gc.collect()
+
+
+def test_vllm_ends_a_sample_at_every_stop_id_of_the_checkpoint(tiny_model_dir, tmp_path):
+    """A checkpoint whose generation_config lists a second EOS (Qwen2.5-Instruct lists two): a sample
+    that ends on it is finished, not truncated, on vLLM as on HF."""
+    from test_real_models import edited_copy
+    policy, tokenizer = grpo.load_model(tiny_model_dir, torch.float32, "cpu")
+    prompts = [grpo.encode_prompt(tokenizer, q) for q in PROMPTS]
+    torch.manual_seed(0)
+    written = [t for s in grpo.Sampler("hf", policy, tokenizer).generate(prompts, 8, 32, 1.0)
+               for t in s["ids"]]
+    frequent = max(set(written) - {tokenizer.eos_token_id}, key=written.count)
+    edited = edited_copy(tiny_model_dir, tmp_path / "edited",
+                         generation={"eos_token_id": [tokenizer.eos_token_id, frequent]})
+    engine = make_engine(edited)
+    policy, tokenizer = grpo.load_model(edited, torch.float32, "cpu")
+    sampler = grpo.Sampler("vllm", policy, tokenizer, engine)
+    assert sampler.stop_ids == {tokenizer.eos_token_id, frequent}
+    samples = sampler.generate(prompts, 8, 32, 1.0)
+    for s in samples:
+        stops = [t for t in s["ids"] if t in sampler.stop_ids]
+        assert stops == ([] if s["truncated"] else [s["ids"][-1]])  # the first stop id, kept
+        assert len(s["sampler_logprobs"]) == len(s["ids"])
+    assert any(s["ids"][-1] == frequent and not s["truncated"] for s in samples)
     del engine, sampler
     gc.collect()

@@ -14,7 +14,7 @@ import torch
 import grpo
 import verifier
 import w2spo
-from conftest import build_tiny_model
+from conftest import build_tiny_model, keep_applied_gradients
 
 EOS = 2  # the tiny model's EOS = PAD, as SmolLM2's
 
@@ -23,13 +23,13 @@ EOS = 2  # the tiny model's EOS = PAD, as SmolLM2's
 
 def test_branch_candidates_lie_strictly_inside_the_reasoning():
     rollout = list(range(10, 40)) + [EOS]  # n = 30 tokens before EOS
-    assert w2spo.branch_candidates(rollout, EOS, (0.2, 0.8)) == list(range(6, 25))
+    assert w2spo.branch_candidates(rollout, {EOS}, (0.2, 0.8)) == list(range(6, 25))
     # truncated (no EOS): n = len; b = n - 1 at most, so token b is still reasoning
-    assert w2spo.branch_candidates([5, 6, 7, 8, 9], EOS, (0.2, 0.99)) == [1, 2, 3, 4]
-    assert w2spo.branch_candidates([5, 6, EOS], EOS, (0.2, 0.8)) == [1]  # n = 2: after the first
-    assert w2spo.branch_candidates([5, EOS], EOS, (0.2, 0.8)) == []  # n = 1: nothing inside
-    assert w2spo.branch_candidates([EOS], EOS, (0.2, 0.8)) == []
-    assert w2spo.branch_candidates([5, 6, 7, 8, EOS], EOS, (0.3, 0.45)) == []  # no integer in [1.2, 1.8]
+    assert w2spo.branch_candidates([5, 6, 7, 8, 9], {EOS}, (0.2, 0.99)) == [1, 2, 3, 4]
+    assert w2spo.branch_candidates([5, 6, EOS], {EOS}, (0.2, 0.8)) == [1]  # n = 2: after the first
+    assert w2spo.branch_candidates([5, EOS], {EOS}, (0.2, 0.8)) == []  # n = 1: nothing inside
+    assert w2spo.branch_candidates([EOS], {EOS}, (0.2, 0.8)) == []
+    assert w2spo.branch_candidates([5, 6, 7, 8, EOS], {EOS}, (0.3, 0.45)) == []  # no integer in [1.2, 1.8]
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -63,7 +63,7 @@ class Scripted:
     after stop(prompt) tokens. Records the rows of each call."""
 
     def __init__(self, stop):
-        self.backend, self.stop, self.calls = "hf", stop, []
+        self.backend, self.stop, self.calls, self.stop_ids = "hf", stop, [], {EOS}
         self.model = SimpleNamespace(device=torch.device("cpu"))
 
     def generate(self, prompts, n, max_new_tokens, temperature, **options):
@@ -138,7 +138,7 @@ def test_branch_logprobs_are_those_of_the_full_rows_and_of_sampling(tiny_model_d
     new = out.sequences[:, ids.shape[1]:]  # [4, 6]: two branches a state
     scores = torch.stack([torch.log_softmax(s, -1).gather(-1, new[:, t, None]).squeeze(-1)
                           for t, s in enumerate(out.scores)], 1)  # [4, 6]
-    states, branches = [p for p in prompts for _ in range(2)], [w2spo.cut_at_eos(r, EOS)[0] for r in new.tolist()]
+    states, branches = [p for p in prompts for _ in range(2)], [w2spo.cut_at_eos(r, {EOS})[0] for r in new.tolist()]
     got, entropy = w2spo.branch_logprobs(model, states, branches, 1.5, torch.float32, True)  # [4, T]
     full_ids, attention, full_mask = w2spo.build_batch(states, branches, EOS)
     want, want_entropy = w2spo.token_logprobs(model, full_ids, attention, full_mask.shape[1], 1.5, 8, True)
@@ -190,7 +190,11 @@ def fresh(model_dir):
 def one_step(model_dir, batch, *flags):
     """train_step on a fresh tiny model with an optimizer that does not move it: (stats, model)."""
     model = fresh(model_dir)
-    return w2spo.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, script_args(*flags)), model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    restore = keep_applied_gradients(model, optimizer)
+    stats = w2spo.train_step(model, optimizer, batch, script_args(*flags))
+    restore()
+    return stats, model
 
 
 def grads(model):
@@ -293,8 +297,11 @@ def test_none_mode_is_grpo_on_the_branch_rows(tiny_model_dir, aux_model_dir):
     results = []
     for module, keys in ((w2spo, batch), (grpo, ("prompts", "samples", "advantages"))):
         model = fresh(tiny_model_dir)
-        stats = module.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0),
-                                  {k: batch[k] for k in keys}, script_args("--aux-is", "none"))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        restore = keep_applied_gradients(model, optimizer)
+        stats = module.train_step(model, optimizer, {k: batch[k] for k in keys},
+                                  script_args("--aux-is", "none"))
+        restore()
         results.append((stats["loss"], grads(model)))
     assert results[0][0] == pytest.approx(results[1][0], abs=1e-7)
     torch.testing.assert_close(results[0][1], results[1][1])
@@ -379,7 +386,7 @@ def test_another_vocabulary_is_refused_in_one_line(tiny_model_dir, tmp_path):
     text = str(err.value)
     assert text.startswith("error: ") and "\n" not in text and "vocabular" in text
     assert tiny_model_dir in text and other in text
-    assert not (tmp_path / "r").exists()  # refused before Run started
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()  # refused before Run started
 
 
 def test_a_bad_target_with_an_auxiliary_is_a_one_line_error(tiny_model_dir, tmp_path, capsys):
@@ -484,7 +491,7 @@ def test_docstring_worked_example_counts_right():
     ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
     rollout, prefix = "17 + 25 = 17 + 20 + 5 = 37 + 5 = 32. The answer is 32.", "17 + 25 = 17 + 20 + 5 = 37 + 5 ="
     assert len(ids(rollout)) == 36 and ids(rollout)[:25] == ids(prefix)
-    assert 25 in w2spo.branch_candidates(ids(rollout), tokenizer.eos_token_id, (0.2, 0.8))
+    assert 25 in w2spo.branch_candidates(ids(rollout), {tokenizer.eos_token_id}, (0.2, 0.8))
     branches = [(" 32. So the answer is", " 32."), (" 32, and the answer is", " 32."),
                 (" 42. So the answer is", " 42."), (" 42, which is the answer", ".")]
     assert [len(ids(prefix + z)) - 25 for z, _ in branches] == [8] * 4
@@ -499,12 +506,3 @@ def test_arith_steps_is_arith_with_a_working_prompt():
     plain, steps = verifier.load_problems("arith", "test", seed=3), verifier.load_problems("arith-steps", "test", seed=3)
     assert [p["answer"] for p in plain] == [p["answer"] for p in steps]
     assert all(q["question"].endswith("Add them step by step, then give the final number.") for q in steps)
-
-
-def test_default_run_learns(tmp_path):
-    """The default run itself (SmolLM2-135M-Instruct, arith-steps, a frozen copy as auxiliary): the
-    shortened schedules tried (4 steps; 6 steps at twice the learning rate) did not move pass@1,
-    see tests/README.md. The threshold sits well below what the default measured."""
-    summary = w2spo.main(["--output-dir", str(tmp_path)])
-    print({k: v for k, v in summary.items() if k != "args"})
-    assert summary["pass@1_after"] - summary["pass@1_before"] >= 0.15, summary
