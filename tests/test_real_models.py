@@ -106,11 +106,11 @@ def test_chat_template_kwargs_reach_the_template(tiny_model_dir, tmp_path, capsy
     args = grpo.parse_args(["--chat-template-kwargs", '{"enable_thinking": false}'])
     assert args.chat_template_kwargs == {"enable_thinking": False}
     grpo.check_chat_template(tokenizer, grpo.parse_args([]))
-    assert "opens <think> in the prompt" in capsys.readouterr().err
+    assert "the prompt opens <think>" in capsys.readouterr().err
     grpo.check_chat_template(tokenizer, args)
     assert capsys.readouterr().err == ""
     grpo.check_chat_template(plain_tokenizer, args)  # a template without that switch
-    assert "does not change the chat template's prompt" in capsys.readouterr().err
+    assert "changes nothing in the prompt" in capsys.readouterr().err
 
 
 def test_a_run_passes_the_kwargs_to_every_prompt(tiny_model_dir, tmp_path):
@@ -140,7 +140,7 @@ BAD = [
     (["--lr", "inf"], "argument --lr: must be a finite number"),
     (["--temperature", "nan"], "argument --temperature: must be a finite number"),
     (["--seed", "-1"], "argument --seed: must be at least 0"),
-    (["--chat-template-kwargs", "{oops"], "argument --chat-template-kwargs: not JSON"),
+    (["--chat-template-kwargs", "{oops"], "argument --chat-template-kwargs: invalid json_object value"),
     (["--chat-template-kwargs", "[1]"], "argument --chat-template-kwargs: must be a JSON object"),
 ]
 
