@@ -59,12 +59,8 @@ group. Contrast: S2L-PO (arXiv 2605.30789) mixes whole small-model rollouts into
     auxiliary branches (HF), one target call for target branches with their continuations (a
     row's first L tokens are its branch) and auxiliary continuations.
   * the task is arith-steps (verifier.py): working to branch into, not a 2-token answer.
-  * logged over every auxiliary branch of a step, trained or not (score_aux_branches):
-    aux_log_ratio_mean (mean log pi_old - log pi_aux = -KL(pi_aux || pi_old); the mean ratio is 1
-    for any auxiliary), aux_outside_clip_frac (outside [1 - eps_low, 1 + eps_high]),
-    aux_capped_frac (C binds: per token, per branch under branch), aux_weight_mean (w applied);
-    and aux_rescued_frac, the paper's measure: groups with every target branch wrong and an
-    auxiliary one right.
+  * logged over every auxiliary branch of a step, trained or not (score_aux_branches): its
+    ratios pi_old / pi_aux; and the paper's measure, aux_rescued_frac (branch_stats).
 
 The update (W2SPO's own policy_loss and train_step; aggregate_loss), with x = s:
     rho_i,t = pi_theta(y_i,t | x, y_i,<t) / pi_old(y_i,t | x, y_i,<t)
