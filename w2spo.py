@@ -3,16 +3,17 @@
 Wang et al., "It Takes 8 Tokens: Weak-to-Strong Off-Policy RL via Auxiliary Branches" (arXiv
 2607.16205). On a hard prompt the G samples often fall into one wrong "reasoning basin": equal
 rewards, no signal. A weaker auxiliary model diverts the target in the middle of its reasoning, the
-target finishes from there, and only the inserted segments are trained. Per prompt x:
+target finishes from there, and only the short branches are trained. Per prompt x (the steps are
+numbered as in sample_groups and main):
 
-    q            ~ pi_theta(. | x)         one target prefix rollout, n tokens before its EOS
-    b            in [LOW n, HIGH n], 1 <= b <= n - 1     branch point (--branch-at, --branch-range)
-    s            = x + q[:b]               the state all branches of x start from
-    y_1..y_Bt    ~ pi_theta(. | s)         B_t target branches of L tokens (--branch-len)
-    y_Bt+1..y_G  ~ pi_aux(. | s)           B_a auxiliary branches (--aux-model)
-    c_i          ~ pi_theta(. | s, y_i)    the target continues (not after an EOS in y_i)
-    r_i          = reward(q[:b] + y_i + c_i)   a group of G = B_t + B_a (--target-branches, ...)
-    A_i = (r_i - mean(r)) / (std(r) + 1e-4)     --scale-rewards group (population std, ddof = 0)
+ 1. q           ~ pi_theta(. | x)        one target prefix rollout; n: its tokens before its stop id
+ 2. b           in [LOW n, HIGH n], 1 <= b <= n - 1   the branch point (--branch-at, --branch-range)
+    s           = x + q[:b]              the state all branches of x start from
+ 3. y_1..y_Bt   ~ pi_theta(. | s)        B_t = G - B_a target branches of <= L tokens (--branch-len)
+    y_Bt+1..y_G ~ pi_aux(. | s)          B_a auxiliary branches (--aux-model, --aux-branches)
+ 4. c_i         ~ pi_theta(. | s, y_i)   the target continues (not after a stop id in y_i)
+ 5. r_i         = reward(q[:b] + y_i + c_i)     the group of G branches
+ 6. A_i = (r_i - mean(r)) / (std(r) + 1e-4)     --scale-rewards group (population std, ddof = 0)
     A_i =  r_i - mean(r)                        --scale-rewards none (Dr. GRPO)
 
 Every token of y_i gets A_i. A group whose rewards are all equal has A = 0 and teaches nothing
@@ -20,47 +21,54 @@ Every token of y_i gets A_i. A group whose rewards are all equal has A = 0 and t
 without refilling the batch). Sources: DeepSeekMath (GRPO), DAPO (clip-higher, token-level loss,
 dynamic sampling), Dr. GRPO (no std, no length normalisation).
 
-The prefix and the continuation are context: only the branch tokens are trained. Auxiliary tokens
-are off-policy: pi_aux, the distribution the auxiliary sampled from (at --aux-temperature), is not
-pi_old. --aux-is sets their w and rho in the update below:
+A prompt whose rollout allows no b (n < 2, or no integer in the range) has no group: K of the P
+prompts are kept. Trained are the branch tokens y_i of both models, nothing else: the prefix and
+the continuation are context (the worked example pushes the target's branches down). The paper's
+"updates restricted to the inserted segments" may also mean the auxiliary's alone; its ablation,
+target-only branches, is --aux-branches 0. Auxiliary tokens are off-policy: pi_aux, the
+distribution the auxiliary sampled from (at --aux-temperature), is not pi_old. --aux-is sets their
+w and rho in the update below (the target's tokens: w = 1, rho = pi_theta / pi_old):
     truncated  w = min(pi_old / pi_aux, C) (--is-cap; verl's truncated IS), rho = pi_theta / pi_old;
                pi_old is the policy at sampling time, fixed for all --ppo-epochs
+    branch     w = min(prod_t pi_old / pi_aux, C), one weight per branch; rho as truncated
     clip       w = 1, rho = pi_theta / pi_aux. A token with rho > 1 + eps_high and A > 0 gets no
-               gradient; one with rho >> 1 and A < 0 an unbounded one (Ye et al. 2020's dual-clip
-               would bound its loss by -c A)
+               gradient; one with rho >> 1 and A < 0 an unbounded one (--dual-clip c bounds its
+               loss by -c A: Ye et al. 2020's dual-clip PPO)
     none       w = 1, rho = pi_theta / pi_old: as if the target had sampled them (S2L-PO's code)
-The correction is per token, an approximation: the branch's earlier tokens, and so the reward, came
-from pi_aux too. The alternative is one weight a branch, min(prod_t pi_old / pi_aux, C).
+The per-token weight is an approximation: the branch's earlier tokens, and so the reward, came
+from pi_aux too; branch weighs the whole branch, at a larger variance.
 
 Worked example, G = 4, B_t = B_a = 2, L = 8, "What is 17 + 25?". The prefix rollout "17 + 25 =
-17 + 20 + 5 = 37 + 5 = 32. The answer is 32." (n = 36 tokens, a digit a token) branches at b = 25,
-after "37 + 5 =". Target branches " 32. So the answer is", " 32, and the answer is"; auxiliary ones
-" 42. So the answer is", " 42, which is the answer". The target completes them: rewards [0, 0, 1,
-1], A = [-1, -1, 1, 1]. The 16 auxiliary tokens are pushed up, the 16 target branch tokens down, no
-other token gets a gradient. The target's branches alone were an all-wrong group.
-Contrast: S2L-PO (arXiv 2605.30789) mixes whole small-model rollouts into GRPO groups.
+17 + 20 + 5 = 37 + 5 = 32. The answer is 32." (n = 36 tokens, a digit per token) branches at
+b = 25, after "37 + 5 =". Target branches " 32. So the answer is", " 32, and the answer is";
+auxiliary ones " 42. So the answer is", " 42, which is the answer". The target completes them:
+rewards [0, 0, 1, 1], A = [-1, -1, 1, 1]. The 16 auxiliary tokens are pushed up, the 16 target
+branch tokens down, no other token gets a gradient. The target's branches alone were an all-wrong
+group. Contrast: S2L-PO (arXiv 2605.30789) mixes whole small-model rollouts into GRPO groups.
 
 [our choice] (the paper's method section is not available; each is a flag):
-  * one prefix rollout a prompt, not a group member; B_t = B_a = G/2 branches from its state.
-  * --branch-at uniform, or entropy (the highest-entropy position in the range, as TreeRL and FR3E
-    do). A rollout with no allowed b (n < 2, or no integer in the range) is skipped: no branches.
+  * one prefix rollout per prompt, not a group member; B_a = G/2 (--aux-branches).
+  * --branch-at uniform, or entropy (the highest-entropy position in the range, as TreeRL and FR3E).
   * --aux-is truncated, --is-cap 2 (the README measures the modes).
   * no --aux-model: a frozen copy of the starting --model at --aux-temperature 1.3, a stand-in for
     a smaller model of the same family (one offline model exists here), hotter so that it differs
     from the target. A given --aux-model samples at --temperature. It reads the target's token ids
     and never its own chat template: it needs the target's vocabulary, and a base model will do.
-  * q[:b] + y_i + c_i stays within --max-new-tokens. Three sampling calls a step: prefix rollouts,
-    auxiliary branches (HF), one target call for target branches with their continuations (a row's
-    first L tokens are its branch) and auxiliary continuations. vLLM samples to the call's longest.
+  * q[:b] + y_i + c_i stays within --max-new-tokens: after a late b, c_i is short (logged:
+    continuation_len_mean, truncated_frac). Three sampling calls per step: prefix rollouts,
+    auxiliary branches (HF), one target call for target branches with their continuations (a
+    row's first L tokens are its branch) and auxiliary continuations.
   * the task is arith-steps (verifier.py): working to branch into, not a 2-token answer.
-  * logged: aux_log_ratio_mean (-KL(pi_aux || pi_old); the mean ratio is 1 for any auxiliary),
-    aux_outside_clip_frac (outside [1 - eps_low, 1 + eps_high]) and aux_capped_frac (C binds).
+  * logged over every auxiliary branch of a step, trained or not (score_aux_branches): its
+    ratios pi_old / pi_aux; and the paper's measure, aux_rescued_frac (branch_stats).
 
 The update (W2SPO's own policy_loss and train_step; aggregate_loss), with x = s:
     rho_i,t = pi_theta(y_i,t | x, y_i,<t) / pi_old(y_i,t | x, y_i,<t)
-    l_i,t   = -min(rho_i,t A_i, clip(rho_i,t, 1 - eps_low, 1 + eps_high) A_i)   --eps-low, --eps-high
-              + beta (exp(ref - logp) - (ref - logp) - 1)        --beta: k3 KL to the start (0: off)
-  (on auxiliary tokens w_i,t and rho_i,t as --aux-is says) summed into one number by --loss-agg:
+    l_i,t   = -w_i,t min(rho_i,t A_i, clip(rho_i,t, 1 - eps_low, 1 + eps_high) A_i)   --eps-*
+              + beta v_i,t (exp(ref - logp) - (ref - logp) - 1)    --beta: k3 KL to the start
+  w_i,t and rho_i,t of auxiliary tokens as --aux-is says; k3 estimates KL(pi_theta || pi_ref) on
+  tokens pi_theta sampled, so v = min(pi_old / pi_aux, C) on auxiliary ones (1 under none and on
+  the target's); summed into one number by --loss-agg:
     token-mean    sum over the batch's tokens / their number               (DAPO, the default)
     seq-mean      mean over each sequence's tokens, then over sequences    (original GRPO)
     seq-sum-norm  sum / (number of sequences x --branch-len: a row's most trained tokens)
@@ -68,6 +76,10 @@ The update (W2SPO's own policy_loss and train_step; aggregate_loss), with x = s:
   pi_old = logp.detach()); vLLM's own log-probs only check the weight sync (logp_mismatch_*). A
   completion with A = 0 and no KL has no gradient: not forwarded (it still counts in the
   normalisers). Weights and AdamW state are float32; --dtype is the compute precision.
+
+To carry W2SPO into another GRPO trainer, copy Branch, branch_candidates, sample_within and
+sample_groups (steps 1-5), score_aux_branches, importance_weights, policy_loss and the lines of
+train_step between "pi_old" and "policy_loss".
 
 Run:
     python w2spo.py                     # offline default: SmolLM2-135M-Instruct and a frozen copy
@@ -83,6 +95,7 @@ import resource
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -94,128 +107,182 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # see the docstring
     add_common_args(parser)
     add_training_args(parser)  # GRPO's own among them: --scale-rewards, --eps-*, --loss-agg, --beta
-    add, count, positive = parser.add_argument, bounded(int, 0), bounded(float, 0, True)
+    add = parser.add_argument
     add("--aux-model", help="frozen auxiliary, the target's vocabulary (default: --model's copy)")
     add("--aux-temperature", type=positive, help="default 1.3 for the copy, else --temperature")
-    add("--target-branches", type=count, help="B_t (default: G - B_a, or G/2); B_t + B_a = G")
-    add("--aux-branches", type=count, help="B_a (default: G - B_t)")
-    add("--branch-len", type=bounded(int, 1), default=8, help="L: tokens a branch (trained)")
+    add("--aux-branches", type=bounded(int, 0), help="B_a (default G/2); B_t = G - B_a")
+    add("--branch-len", type=bounded(int, 1), default=8, help="L: tokens per branch (trained)")
     add("--branch-at", default="uniform", choices=["uniform", "entropy"], help="branch point")
     add("--branch-range", type=float, nargs=2, default=[0.2, 0.8], metavar=("LOW", "HIGH"),
         help="where a branch may start, in fractions of the prefix rollout (before its EOS)")
-    add("--aux-is", default="truncated", choices=["truncated", "clip", "none", "branch"],
+    add("--aux-is", default="truncated", choices=["truncated", "branch", "clip", "none"],
         help="off-policy correction of auxiliary tokens (see the docstring)")
-    add("--is-cap", type=positive, default=2.0, help="C of --aux-is truncated")
+    add("--is-cap", type=positive, default=2.0,
+        help="C: the cap of --aux-is truncated and branch, and of the KL weight with --beta")
     add("--dual-clip", type=bounded(float, 1, True), help="c: loss at most -c A where A < 0 (off)")
     parser.set_defaults(dataset="arith-steps", max_new_tokens=48, steps=10, lr=3e-5,
                         eval_problems=32)  # this method's task (docstring)
     args = parser.parse_args(argv)
-    G, b_t, b_a = args.group_size, args.target_branches, args.aux_branches
-    b_t = (G // 2 if b_a is None else G - b_a) if b_t is None else b_t
-    args.target_branches, args.aux_branches = b_t, G - b_t if b_a is None else b_a
-    if b_t + args.aux_branches != G or not 0 <= b_t <= G:
-        die(f"--target-branches + --aux-branches must add up to --group-size {G} (one: <= {G})")
+    G = args.group_size
+    if args.aux_branches is None:
+        args.aux_branches = G - G // 2
+    if args.aux_branches > G:
+        die(f"--aux-branches {args.aux_branches} is larger than --group-size {G}")
+    args.target_branches = G - args.aux_branches  # B_t
     if not 0 < args.branch_range[0] <= args.branch_range[1] < 1:
         die(f"--branch-range {args.branch_range}: need 0 < LOW <= HIGH < 1")
-    if args.aux_is not in ("truncated", "branch") and args.is_cap != parser.get_default("is_cap"):
-        print("warning: --is-cap applies to --aux-is truncated only", file=sys.stderr)
-    args.aux_temperature = args.aux_temperature or (args.temperature if args.aux_model else 1.3)
+    cap_used = args.aux_is in ("truncated", "branch") or (args.aux_is == "clip" and args.beta > 0)
+    if not cap_used and args.is_cap != parser.get_default("is_cap"):
+        print("warning: --is-cap is unused here (it caps --aux-is truncated and branch, and with "
+              "--beta the KL weight of every mode but none)", file=sys.stderr)
+    if args.aux_temperature is None:
+        args.aux_temperature = args.temperature if args.aux_model else 1.3
     check_args(args, "w2spo")  # now: the auxiliary loads before Run (which checks them again)
     return args
 
 # ------------------------------------------------------------------------ the method: branches
+@dataclass
+class Branch:
+    """One member of a group: a branch sampled from the state s = x + q[:b], then the target's
+    continuation. Only `ids` is trained; the state and the continuation are context."""
+    state: list  # s: the prompt's ids, then the prefix rollout's first b tokens
+    prefix_len: int  # b
+    ids: list  # y_i: the branch, at most L tokens (trained)
+    by_aux: bool  # sampled by the auxiliary model (off-policy), else by the target
+    continuation: list  # c_i: the target's tokens after the branch (none after a stop id in y_i)
+    truncated: bool  # q[:b] + y_i + c_i used all --max-new-tokens without a stop id: cut off
+    sampler_logprobs: list = None  # vLLM's log-probs of y_i (a target branch): a sync check only
+    aux_logprobs: list = None  # log pi_aux(y_i,t | s, y_i,<t) of an auxiliary branch
+    reward: float = 0.0  # r_i
+
 def branch_candidates(rollout, stop_ids, branch_range):
-    """The branch points b (rollout tokens kept) in [LOW n, HIGH n] and [1, n - 1], n its tokens
-    before its stop id: the target wrote one and is not done. n = 30, 0.2 0.8: b in 6..24."""
+    """Step 2: the branch points b (rollout tokens kept) in [LOW n, HIGH n] and [1, n - 1], n the
+    rollout's tokens before its stop id: at b the target wrote one and is not done yet.
+    n = 30, 0.2 0.8: b in 6..24."""
     written, truncated = cut_at_eos(rollout, stop_ids)
     n = len(written) if truncated else len(written) - 1  # the tokens before the stop id
-    return list(range(max(1, math.ceil(branch_range[0] * n)),
-                      min(n - 1, math.floor(branch_range[1] * n)) + 1))
+    lowest = max(1, math.ceil(branch_range[0] * n))
+    highest = min(n - 1, math.floor(branch_range[1] * n))
+    return list(range(lowest, highest + 1))
 
 def sample_within(sampler, prompts, budgets, temperature):
-    """One sample a prompt, row i within budgets[i] tokens (vLLM's past it: counted, then cut)."""
+    """One sample per prompt, row i within budgets[i] tokens: the sampler's dicts ("ids",
+    "truncated": no stop id, "sampler_logprobs") and "sampled": the tokens it generated (vLLM
+    samples every row to the largest budget: the tokens past a row's budget are counted, then
+    cut)."""
     if not prompts:
         return []
     options, vllm = {}, sampler.backend == "vllm"
-    if not vllm:  # tokens generated = the width past the left-padded prompts
-        width, limit = max(map(len, prompts)), torch.tensor(budgets, device=sampler.model.device)
+    if not vllm:  # HF: stop each row at its own budget (tokens generated = width past the prompts)
+        width = max(map(len, prompts))  # the prompts are left-padded to this width
+        limit = torch.tensor(budgets, device=sampler.model.device)  # [rows]
         options["stopping_criteria"] = [lambda ids, scores, **_: ids.shape[1] - width >= limit]
     samples = sampler.generate(prompts, 1, max(budgets), temperature, **options)
     for sample, budget in zip(samples, budgets):
         sample["sampled"] = len(sample["ids"]) if vllm else min(len(sample["ids"]), budget)
         if len(sample["ids"]) > budget:
             logprobs = sample["sampler_logprobs"]
-            sample.update(ids=sample["ids"][:budget], truncated=True,
-                          sampler_logprobs=logprobs and logprobs[:budget])
+            sample["ids"] = sample["ids"][:budget]
+            sample["truncated"] = True
+            sample["sampler_logprobs"] = logprobs[:budget] if logprobs else None
     return samples
 
-def sample_groups(run, aux_sampler, prompts, problems, args):
-    """One step's branches, each kept prompt's G consecutive (target first): dicts of "ids" (the
-    branch), "continuation", "aux", "state", "prefix_len" (b), "reward"; and the step's counts."""
-    L, b_t, b_a = args.branch_len, args.target_branches, args.aux_branches
-    rollouts = run.sampler.generate(prompts, 1, args.max_new_tokens, args.temperature)  # [P]
+def sample_groups(sampler, aux_sampler, tokenizer, prompts, problems, args):
+    """Steps 1-5 for P prompts: the branches of the K kept prompts, group by group (B_t target
+    branches, then B_a auxiliary ones), each with its reward; and the step's token counts."""
+    L, B_t, B_a, N = args.branch_len, args.target_branches, args.aux_branches, args.max_new_tokens
+    # 1. q ~ pi_theta(. | x): one prefix rollout per prompt
+    rollouts = [r["ids"] for r in sampler.generate(prompts, 1, N, args.temperature)]  # P lists
+    entropy = None
     if args.branch_at == "entropy":  # entropy[i, t]: of the distribution token t was drawn from
         with torch.no_grad():
-            entropy = branch_logprobs(run.model, prompts, [r["ids"] for r in rollouts],
-                                      args.temperature, run.compute_dtype, True)[1].cpu()  # [P, T]
-    kept = []  # (prompt index, b)
-    for i, rollout in enumerate(r["ids"] for r in rollouts):
-        if found := branch_candidates(rollout, run.sampler.stop_ids, args.branch_range):
-            kept.append((i, max(found, key=lambda b: entropy[i, b]) if args.branch_at == "entropy"
-                         else random.choice(found)))
-    states = [prompts[i] + rollouts[i]["ids"][:b] for i, b in kept]
-    budgets = [args.max_new_tokens - b for i, b in kept]  # >= 1: b <= n - 1
-    aux = sample_within(aux_sampler, [s for s in states for _ in range(b_a)],
-                        [min(L, n) for n in budgets for _ in range(b_a)], args.aux_temperature)
-    # One target call: B_t rows a state (branch, continuation), then each open auxiliary branch.
-    rows = [(k, None) for k in range(len(kept)) for _ in range(b_t)] + [
-        (j // b_a, z) for j, z in enumerate(aux) if z["truncated"]
-        and budgets[j // b_a] > len(z["ids"])]  # (state, the auxiliary branch to continue)
-    target = sample_within(run.sampler, [states[k] + (z["ids"] if z else []) for k, z in rows],
-                           [budgets[k] - len(z["ids"] if z else []) for k, z in rows],
-                           args.temperature)
-    for (k, z), sample in zip(rows[len(kept) * b_t:], target[len(kept) * b_t:]):
-        z["continuation"] = sample["ids"]
+            entropy = branch_logprobs(sampler.model, prompts, rollouts, args, args.temperature,
+                                      sampler.compute_dtype, with_entropy=True)[1].cpu()  # [P, T]
+    # 2. b in [LOW n, HIGH n]: the branch point of each rollout that has one
+    kept = []  # (prompt index i, branch point b) of the K kept prompts
+    for i, rollout in enumerate(rollouts):
+        candidates = branch_candidates(rollout, sampler.stop_ids, args.branch_range)
+        if not candidates:
+            continue  # no branches for this prompt
+        if entropy is None:
+            kept.append((i, random.choice(candidates)))
+        else:
+            kept.append((i, max(candidates, key=lambda b: entropy[i, b])))
+    states = [prompts[i] + rollouts[i][:b] for i, b in kept]  # s = x + q[:b], K lists
+    tokens_left = [N - b for i, b in kept]  # for y_i + c_i: >= 1, as b <= n - 1
+    # 3. y ~ pi_aux(. | s): B_a auxiliary branches per state, each at most L tokens
+    aux_samples = sample_within(aux_sampler, [s for s in states for _ in range(B_a)],
+                                [min(L, left) for left in tokens_left for _ in range(B_a)],
+                                args.aux_temperature)  # K * B_a, state-major
+    # 3. and 4. in one target call: B_t rows per state (a row's first L tokens are its branch y,
+    # the rest its continuation c), then the continuation c of every auxiliary branch still open
+    rows = [(k, None) for k in range(len(kept)) for _ in range(B_t)]  # (state k, auxiliary j)
+    for j, aux_sample in enumerate(aux_samples):
+        k = j // B_a
+        wrote_stop = not aux_sample["truncated"]  # the completion ended inside the branch
+        if not wrote_stop and len(aux_sample["ids"]) < tokens_left[k]:
+            rows.append((k, j))
+    starts = [states[k] + (aux_samples[j]["ids"] if j is not None else []) for k, j in rows]
+    budgets = [tokens_left[k] - (len(aux_samples[j]["ids"]) if j is not None else 0)
+               for k, j in rows]
+    target_samples = sample_within(sampler, starts, budgets, args.temperature)
+    continuation_of = {j: sample for (k, j), sample in zip(rows, target_samples) if j is not None}
     branches = []
     for k, (i, b) in enumerate(kept):
-        own = [dict(t, ids=t["ids"][:L], continuation=t["ids"][L:], aux=False,
-                    sampler_logprobs=t["sampler_logprobs"] and t["sampler_logprobs"][:L])
-               for t in target[k * b_t: (k + 1) * b_t]]
-        own += [dict(z, continuation=z.get("continuation", []), aux=True)  # HF: no log-probs
-                for z in aux[k * b_a: (k + 1) * b_a]]
-        for br in own:
-            text = run.tokenizer.decode(rollouts[i]["ids"][:b] + br["ids"] + br["continuation"],
-                                        skip_special_tokens=True)
-            branches.append(dict(br, state=states[k], prefix_len=b,
-                                 reward=verifier.reward(text, problems[i]["answer"])))
-    tokens_aux, tokens = sum(z["sampled"] for z in aux), sum(len(r["ids"]) for r in rollouts)
-    return branches, dict(tokens_sampled=tokens + tokens_aux + sum(t["sampled"] for t in target),
-                          tokens_aux=tokens_aux, skipped_prompts=len(prompts) - len(kept))
+        group = []
+        for sample in target_samples[k * B_t: (k + 1) * B_t]:
+            engine_logprobs = sample["sampler_logprobs"]
+            group.append(Branch(states[k], b, sample["ids"][:L], False, sample["ids"][L:],
+                                sample["truncated"], engine_logprobs and engine_logprobs[:L]))
+        for j in range(k * B_a, (k + 1) * B_a):
+            continued = continuation_of.get(j)  # None: ended in a stop id, or no tokens left
+            continuation = continued["ids"] if continued else []
+            truncated = continued["truncated"] if continued else aux_samples[j]["truncated"]
+            group.append(Branch(states[k], b, aux_samples[j]["ids"], True, continuation, truncated))
+        for branch in group:  # 5. r_i = reward(q[:b] + y_i + c_i)
+            completion = rollouts[i][:b] + branch.ids + branch.continuation
+            text = tokenizer.decode(completion, skip_special_tokens=True)
+            branch.reward = verifier.reward(text, problems[i]["answer"])
+        branches += group
+    tokens_aux = sum(sample["sampled"] for sample in aux_samples)
+    tokens_target = sum(map(len, rollouts)) + sum(sample["sampled"] for sample in target_samples)
+    return branches, dict(tokens_sampled=tokens_target + tokens_aux, tokens_aux=tokens_aux,
+                          skipped_prompts=len(prompts) - len(kept))
 
-def branch_logprobs(net, states, branches, temperature, dtype, with_entropy=False):
-    """token_logprobs of rows (state s, branch z) with each distinct state forwarded once, its cache
-    shared by its branches: log pi(z_t | s, z_<t) [b, T] (fp32) and the entropy [b, T] or None."""
-    unique, device = list(dict.fromkeys(map(tuple, states))), net.device  # the distinct states
-    which = torch.tensor([unique.index(tuple(s)) for s in states], device=device)  # [b]
-    state, seen = (t.to(device) for t in pad([list(s) for s in unique], 0, left=True))  # [u, S]
-    branch, mask = (t.to(device) for t in pad(branches, 0))  # [b, T]; padding: masked, any id
-    with autocast(device.type, dtype):  # the state's last position predicts z_1, z_t predicts z_t+1
-        first = net(input_ids=state, attention_mask=seen, logits_to_keep=1, use_cache=True,
-                    position_ids=(seen.cumsum(dim=1) - 1).clamp(min=0))
-        first.past_key_values.batch_select_indices(which)  # [b, ...]: a state's cache per branch
-        rest = net(input_ids=branch, past_key_values=first.past_key_values,
-                   attention_mask=torch.cat([seen[which], mask], dim=1), position_ids=seen[which]
-                   .sum(1, keepdim=True) + torch.arange(branch.shape[1], device=device))
-    logits = torch.cat([first.logits[which], rest.logits[:, :-1]], dim=1)  # [b, T, V]
-    logprobs, entropies = [], []
-    for row_logits, targets in zip(logits, branch):  # as token_logprobs: fp32, row by row
-        scaled = row_logits.float() / temperature  # [T, V]
-        log_norm = torch.logsumexp(scaled, dim=-1)  # [T]
-        logprobs.append(scaled.gather(-1, targets[:, None]).squeeze(-1) - log_norm)  # [T]
-        if with_entropy:
-            with torch.no_grad():
-                entropies.append(log_norm - (torch.softmax(scaled, -1) * scaled).sum(-1))
-    return torch.stack(logprobs), torch.stack(entropies) if with_entropy else None  # [b, T]
+def branch_logprobs(net, states, branches, args, temperature, dtype, with_entropy=False):
+    """log pi(y_t | s, y_<t) of rows (state s, branch y) [b, T] (fp32), and the entropy of each
+    token's distribution [b, T] (no gradient) when asked: token_logprobs on the whole rows."""
+    ids, attention, mask = build_batch(states, branches, 0)  # padding: masked, any id
+    return token_logprobs(net, ids.to(net.device), attention.to(net.device), mask.shape[1],
+                          temperature, args.micro_batch, with_entropy, dtype)
+
+def score_aux_branches(model, aux_model, branches, args):
+    """pi_aux of every auxiliary branch, once per step (the auxiliary is frozen): sets
+    branch.aux_logprobs; and what metrics.jsonl logs about all of them, trained or not."""
+    aux_branches = [branch for branch in branches if branch.by_aux]
+    if not aux_branches:  # --aux-branches 0, or no prompt kept
+        return {}
+    states = [branch.state for branch in aux_branches]
+    ids = [branch.ids for branch in aux_branches]
+    dtype = getattr(torch, args.dtype)
+    with torch.no_grad():
+        old_logp = branch_logprobs(model, states, ids, args, args.temperature, dtype)[0]  # [a, T]
+        aux_logp = branch_logprobs(aux_model, states, ids, args, args.aux_temperature, dtype)[0]
+    for branch, row in zip(aux_branches, aux_logp.tolist()):
+        branch.aux_logprobs = row[: len(branch.ids)]
+    is_aux = pad(ids, 0)[1].bool().to(old_logp.device)  # [a, T]: the branches' tokens
+    log_ratio = torch.where(is_aux, old_logp - aux_logp, 0.0)  # [a, T]: log pi_old / pi_aux
+    ratio = torch.exp(log_ratio[is_aux])  # [auxiliary tokens]
+    outside = (ratio < 1 - args.eps_low) | (ratio > 1 + args.eps_high)
+    if args.aux_is == "branch":  # C binds on the product of a branch's ratios
+        capped = torch.exp(log_ratio.sum(dim=1)) > args.is_cap  # [a]
+    else:
+        capped = ratio > args.is_cap  # [auxiliary tokens]
+    weights = importance_weights(log_ratio, is_aux, args.aux_is, args.is_cap)  # [a, T] or None
+    return {"aux_log_ratio_mean": log_ratio[is_aux].mean().item(),  # -KL(pi_aux || pi_old)
+            "aux_outside_clip_frac": outside.float().mean().item(),
+            "aux_capped_frac": capped.float().mean().item(),
+            "aux_weight_mean": 1.0 if weights is None else weights[is_aux].mean().item()}
 
 def load_aux(args):
     """The frozen auxiliary (fp32 on the CPU: main places it), before Run: another vocabulary fails
@@ -245,23 +312,38 @@ def group_advantages(rewards, group_size, scale="group"):
     return centred.reshape(-1)  # [P * G]
 
 # ------------------------------------------------------------------------ the update
+def importance_weights(log_ratio, is_aux, aux_is, is_cap):
+    """w of --aux-is on the auxiliary tokens (is_aux [b, T]), from log_ratio = log pi_old -
+    log pi_aux [b, T] (0 elsewhere): [b, T], 1 on the target's tokens; None for clip and none."""
+    if aux_is == "truncated":  # w = min(pi_old / pi_aux, C), per token
+        capped = torch.exp(log_ratio).clamp(max=is_cap)  # [b, T]
+    elif aux_is == "branch":  # w = min(prod_t pi_old / pi_aux, C), one per branch
+        per_branch = torch.exp(log_ratio.sum(dim=1, keepdim=True)).clamp(max=is_cap)  # [b, 1]
+        capped = per_branch.expand_as(log_ratio)  # [b, T]
+    else:
+        return None
+    return torch.where(is_aux, capped, 1.0)  # the target's own tokens keep w = 1, whatever C
+
 def policy_loss(logp, old_logp, advantages, eps_low, eps_high, ref_logp=None, beta=0.0,
-                weights=None, dual_clip=None):
-    """Per-token clipped surrogate times weights [B, T] (detached; None: 1) (+ k3 KL). logp,
-    old_logp, ref_logp [B, T]; advantages [B]; dual_clip c: where A < 0, a loss is at most -c A.
-    Returns (loss [B, T], clipped [B, T]: 1 where the clip won the min, kl [B, T] or None)."""
+                weights=None, kl_weights=None, dual_clip=None):
+    """Per-token clipped surrogate times weights w [B, T] (+ k3 KL times kl_weights v [B, T]);
+    both detached, None: 1. logp, old_logp, ref_logp [B, T]; advantages [B]; dual_clip c: where
+    A < 0, a loss is at most -c A. Returns (loss [B, T], clipped [B, T]: 1 where the clip won the
+    min, kl [B, T] or None)."""
     adv = advantages[:, None]  # [B, 1]
-    ratio = torch.exp(logp - old_logp)  # [B, T]
-    unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
-    loss, kl = -torch.min(unclipped, clipped), None  # [B, T]
-    if dual_clip:
+    ratio = torch.exp(logp - old_logp)  # rho [B, T]
+    unclipped = ratio * adv  # [B, T]
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv  # [B, T]
+    loss = -torch.min(unclipped, clipped)  # -min(rho A, clip(rho) A) [B, T]
+    if dual_clip:  # where A < 0: min(that, -c A)
         loss = torch.where(adv < 0, torch.clamp(loss, max=-dual_clip * adv), loss)  # [B, T]
     if weights is not None:
-        loss = loss * weights
+        loss = loss * weights  # w (--aux-is)
+    kl = None
     if beta > 0:
         log_ratio_ref = ref_logp - logp  # [B, T]
-        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3: unbiased and >= 0
-        loss = loss + beta * kl
+        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3 >= 0, on pi_theta's samples
+        loss = loss + beta * (kl if kl_weights is None else kl * kl_weights)  # + beta v k3
     return loss, (clipped < unclipped).float(), kl
 
 def aggregate_loss(token_loss, mask, loss_agg, num_tokens, num_sequences, max_new_tokens):
@@ -276,53 +358,55 @@ def aggregate_loss(token_loss, mask, loss_agg, num_tokens, num_sequences, max_ne
 
 def train_step(model, optimizer, batch, args, ref_model=None):
     """One sampled batch -> --ppo-epochs optimizer steps; returns diagnostics. batch: "prompts"
-    (the states), "samples" (dicts: "ids" the branch, "sampler_logprobs" vLLM's or None: a check of
-    the weight sync only), "advantages" [B], "aux" (1 on an auxiliary row), "aux_model"."""
+    (the states s), "samples" (Branch: ids y_i, trained; by_aux; aux_logprobs, pi_aux's; and
+    sampler_logprobs with vLLM, compared with ours as a check of the weight sync, never used in the
+    ratio), "advantages" [B]."""
     adv, dtype, samples = batch["advantages"], getattr(torch, args.dtype), batch["samples"]
-    num_sequences, num_tokens = len(adv), max(sum(len(s["ids"]) for s in samples), 1)
+    num_sequences, num_tokens = len(adv), max(sum(len(s.ids) for s in samples), 1)
+    pad_id = model.generation_config.pad_token_id
     # A row with A = 0 adds nothing but KL: without KL it is not forwarded at all (exact).
     active = list(range(num_sequences)) if args.beta > 0 else adv.nonzero().squeeze(1).tolist()
-    engine = [s.get("sampler_logprobs") for s in samples]  # vLLM's, or None
-    micro_batches = []  # (rows, mask [b, t]: 1 on branch tokens, aux [b, t]: on auxiliary ones)
+    micro_batches = []  # (rows, ids [b, S + t], attention [b, S + t], mask [b, t]), own widths
     for rows in (active[i: i + args.micro_batch] for i in range(0, len(active), args.micro_batch)):
-        mask = pad([samples[i]["ids"] for i in rows], 0)[1].to(model.device)  # [b, t]
-        micro_batches.append((rows, mask, mask.bool() & batch["aux"][rows, None].to(model.device)))
-    def logprobs(net, rows, with_entropy=False, temperature=args.temperature):  # [b, t] (+ entropy)
-        return branch_logprobs(net, [batch["prompts"][i] for i in rows], [samples[i]["ids"]
-                               for i in rows], temperature, dtype, with_entropy)
-    with torch.no_grad():  # pi_old (fixed at sampling for every epoch), pi_ref, pi_aux where needed
-        olds = [logprobs(model, mb[0])[0] if args.ppo_epochs > 1 else None for mb in micro_batches]
-        refs = [logprobs(ref_model, mb[0])[0] if args.beta > 0 else None for mb in micro_batches]
-        auxes = [logprobs(batch["aux_model"], mb[0], temperature=args.aux_temperature)[0]
-                 for mb in micro_batches]  # every row's: cheap with the states shared
+        tensors = build_batch([batch["prompts"][i] for i in rows], [samples[i].ids for i in rows],
+                              pad_id)
+        micro_batches.append((rows, *(t.to(model.device) for t in tensors)))
+    def logprobs(net, ids, attention, mask, with_entropy=False):  # [b, t] (and entropy [b, t])
+        return token_logprobs(net, ids, attention, mask.shape[1], args.temperature, len(ids),
+                              with_entropy, dtype)
+    with torch.no_grad():  # pi_old (fixed at sampling for every epoch) and pi_ref, where needed
+        olds = [logprobs(model, *mb[1:])[0] if args.ppo_epochs > 1 else None for mb in micro_batches]
+        refs = [logprobs(ref_model, *mb[1:])[0] if args.beta > 0 else None for mb in micro_batches]
     stats, gaps = {"skipped_nonfinite": 0, "trained_sequences": len(active)}, []
-    aux_log_ratios = []  # [auxiliary tokens of a micro-batch] each: log pi_old - log pi_aux
     for epoch in range(args.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(("loss", "clip_frac", "kl", "entropy", "tokens"), 0.0)
-        for (rows, mask, is_aux), old_logp, ref_logp, aux_logp in zip(micro_batches, olds, refs, auxes):
-            logp, entropy = logprobs(model, rows, True)  # [b, t] each
-            old_logp = logp.detach() if old_logp is None else old_logp  # [b, t]
-            log_ratio_aux = torch.where(is_aux, old_logp - aux_logp, 0.0)  # [b, t]: pi_old / pi_aux
-            weights = None
-            if args.aux_is == "truncated":  # min(pi_old / pi_aux, C), the same for every epoch
-                weights = torch.exp(log_ratio_aux).clamp(max=args.is_cap)  # [b, t]
-            elif args.aux_is == "branch":  # one weight a branch: min(prod_t pi_old / pi_aux, C)
-                weights = torch.where(is_aux, torch.exp(log_ratio_aux.sum(1, keepdim=True))
-                                      .clamp(max=args.is_cap), 1.0)  # [b, t]
-            elif args.aux_is == "clip":  # the ratio against the model that sampled the token
+        for (rows, ids, attention, mask), old_logp, ref_logp in zip(micro_batches, olds, refs):
+            logp, entropy = logprobs(model, ids, attention, mask, True)  # [b, t] each
+            old_logp = logp.detach() if old_logp is None else old_logp  # pi_old [b, t]
+            by_aux = torch.tensor([samples[i].by_aux for i in rows], device=model.device)  # [b]
+            is_aux = mask.bool() & by_aux[:, None]  # [b, t]: the auxiliary's tokens
+            aux_rows = [samples[i].aux_logprobs or [0.0] * len(samples[i].ids) for i in rows]
+            aux_logp = pad(aux_rows, 0.0, dtype=torch.float32)[0].to(logp)  # [b, t]: log pi_aux
+            log_ratio_aux = torch.where(is_aux, old_logp - aux_logp, 0.0)  # log pi_old / pi_aux
+            weights = importance_weights(log_ratio_aux, is_aux, args.aux_is, args.is_cap)  # w
+            kl_weights = None  # v = min(pi_old / pi_aux, C) on auxiliary tokens (--beta > 0)
+            if args.beta > 0 and args.aux_is != "none":
+                kl_weights = importance_weights(log_ratio_aux, is_aux, "truncated", args.is_cap)
+            if args.aux_is == "clip":  # rho = pi_theta / pi_aux on auxiliary tokens
                 old_logp = torch.where(is_aux, aux_logp, old_logp)  # [b, t]
             token_loss, clipped, kl = policy_loss(
                 logp, old_logp, adv[rows].to(model.device), args.eps_low, args.eps_high, ref_logp,
-                args.beta, weights, args.dual_clip)
+                args.beta, weights, kl_weights, args.dual_clip)
             loss = aggregate_loss(token_loss, mask, args.loss_agg, num_tokens, num_sequences,
                                   args.branch_len)  # seq-sum-norm: a row trains <= L tokens
             loss.backward()
             tokens = mask.bool()
-            if epoch == 0:  # pi_old / pi_aux; vLLM's log-probs where it sampled the branch
-                aux_log_ratios.append(log_ratio_aux[is_aux])
-                gaps += [(logp[j, : len(engine[i])].detach() - torch.tensor(engine[i]).to(logp))
-                         .abs() for j, i in enumerate(rows) if engine[i]]  # [tokens] each
+            for j, i in enumerate(rows):  # vLLM's log-probs, where it sampled the branch
+                engine_logp = samples[i].sampler_logprobs
+                if epoch == 0 and engine_logp:
+                    ours = logp[j, : len(engine_logp)].detach()  # [tokens]
+                    gaps.append((ours - torch.tensor(engine_logp).to(ours)).abs())
             for key, value in (("loss", loss), ("clip_frac", clipped[tokens].sum()),
                                ("kl", kl[tokens].sum() if kl is not None else torch.zeros(())),
                                ("entropy", entropy[tokens].sum()), ("tokens", tokens.sum())):
@@ -343,14 +427,32 @@ def train_step(model, optimizer, batch, args, ref_model=None):
     if gaps:
         gap = torch.cat(gaps)  # [tokens]: |our log-prob - vLLM's| of each sampled token
         stats.update(logp_mismatch_mean=gap.mean().item(), logp_mismatch_max=gap.max().item())
-    if (log_ratio := torch.cat(aux_log_ratios) if aux_log_ratios else torch.zeros(0)).numel():
-        ratio = torch.exp(log_ratio)  # [auxiliary tokens]: pi_old / pi_aux
-        stats.update(aux_log_ratio_mean=log_ratio.mean().item(), aux_capped_frac=(  # -KL, C binds
-            ratio > args.is_cap).float().mean().item(), aux_outside_clip_frac=(ratio.clamp(
-                1 - args.eps_low, 1 + args.eps_high) != ratio).float().mean().item())
     return stats
 
 # ------------------------------------------------------------------------ the loop
+def branch_stats(branches, rewards, args):
+    """What metrics.jsonl logs about a step's K groups of branches, rewards [K * G]."""
+    G = args.group_size
+    by_aux = torch.tensor([branch.by_aux for branch in branches], dtype=torch.bool)  # [K * G]
+    by_group = rewards.view(-1, G)  # [K, G]
+    target_right = (rewards * ~by_aux).view(-1, G).sum(dim=1)  # [K]: right target branches
+    aux_right = (rewards * by_aux).view(-1, G).sum(dim=1)  # [K]: right auxiliary branches
+    stats = {"reward_mean": rewards.mean().item(),
+             "frac_zero_std": (by_group.std(dim=1) == 0).float().mean().item(),
+             "all_wrong_frac": (by_group.sum(dim=1) == 0).float().mean().item(),
+             # the paper's measure: groups the target's branches alone would have lost
+             "target_all_wrong_frac": (target_right == 0).float().mean().item(),
+             "aux_rescued_frac": ((target_right == 0) & (aux_right > 0)).float().mean().item(),
+             "prefix_len_mean": float(np.mean([branch.prefix_len for branch in branches[::G]])),
+             "branch_len_mean": float(np.mean([len(branch.ids) for branch in branches])),
+             "continuation_len_mean": float(np.mean([len(b.continuation) for b in branches])),
+             "truncated_frac": float(np.mean([branch.truncated for branch in branches]))}
+    if args.target_branches:
+        stats["reward_target_mean"] = rewards[~by_aux].mean().item()
+    if args.aux_branches:
+        stats["reward_aux_mean"] = rewards[by_aux].mean().item()
+    return stats
+
 def main(argv=None):
     args = parse_args(argv)
     aux_model = load_aux(args)  # before Run: another vocabulary is refused at once
@@ -358,20 +460,25 @@ def main(argv=None):
     aux_sampler = Sampler("hf", aux_model.to(run.device, run.compute_dtype), run.tokenizer, None,
                           run.compute_dtype, "--aux-model")  # frozen, compute precision; HF
     for step, problems, prompts in run.steps():
-        samples, counts = sample_groups(run, aux_sampler, prompts, problems, args)  # K * G branches
-        rewards = torch.tensor([s["reward"] for s in samples])  # [K * G]
-        advantages = group_advantages(rewards, G, args.scale_rewards)  # [K * G]
+        # 1.-5. the branches of the K kept prompts, G per group, and their rewards
+        branches, counts = sample_groups(run.sampler, aux_sampler, run.tokenizer, prompts,
+                                         problems, args)  # K * G
+        if not branches:  # no prompt had a branch point: nothing to train
+            if run.end_step(step, {}, **counts):
+                break
+            continue
+        aux_stats = score_aux_branches(run.model, aux_model, branches, args)  # pi_aux, once
+        rewards = torch.tensor([branch.reward for branch in branches])  # [K * G]
+        advantages = group_advantages(rewards, G, args.scale_rewards)  # 6. A_i [K * G]
         zero_std = rewards.view(-1, G).std(dim=1) == 0  # [K]
-        rows = [i for i in range(len(samples)) if not (args.filter_groups and zero_std[i // G])]
-        trained, is_aux = [samples[i] for i in rows], torch.tensor([s["aux"] for s in samples]) > 0
-        stats = run.update([s["state"] for s in trained], trained, advantages[rows],
-                           aux=is_aux[rows], aux_model=aux_model) if rows else {}
-        record = {"reward_mean": rewards.mean().item(), "frac_zero_std": zero_std.float().mean().item(),
-                  "all_wrong_frac": (rewards.view(-1, G).sum(dim=1) == 0).float().mean().item(),
-                  "reward_target_mean": rewards[~is_aux].mean().item(),
-                  "reward_aux_mean": rewards[is_aux].mean().item(), **stats}
-        counts["tokens_trained"] = sum(len(s["ids"]) for s, a in zip(trained, advantages[rows])
-                                       if a != 0 or args.beta > 0)  # what train_step forwards
+        rows = [i for i in range(len(branches)) if not (args.filter_groups and zero_std[i // G])]
+        trained = [branches[i] for i in rows]
+        stats = {}
+        if rows:
+            stats = run.update([branch.state for branch in trained], trained, advantages[rows])
+        counts["tokens_trained"] = sum(len(branch.ids) for branch, a in
+                                       zip(trained, advantages[rows]) if a != 0 or args.beta > 0)
+        record = {**branch_stats(branches, rewards, args), **aux_stats, **stats}
         if run.end_step(step, record, **counts):
             break  # --token-budget spent
     return run.finish(aux_model=args.aux_model or "frozen copy of --model",

@@ -4,6 +4,8 @@ rounding: the log-probs of the trained tokens with A > 0 rise and those with A <
 the very batch the update was given, before and after it; and each method's own counters show its
 mechanism acting. The held-out rise needs the full default runs (`python tests/run_defaults.py`,
 their numbers in the README); CI cannot afford them on the slowest machines."""
+import json
+
 import pytest
 import torch
 
@@ -17,17 +19,14 @@ SHORT = ["--steps", "2", "--eval-problems", "4", "--eval-samples", "2", "--eval-
 
 def completion_logprobs(module, model, batch, rows, args):
     """log pi(token) of the rows' trained tokens [b, T] and their mask [b, T] (no gradient)."""
-    completions = [batch["samples"][i]["ids"] for i in rows]
+    samples = [batch["samples"][i] for i in rows]
+    # W2SPO: a row's prompt is its state, its completion the branch (a w2spo.Branch)
+    completions = [s.ids if module is w2spo else s["ids"] for s in samples]
     prompts = [batch["prompts"][i] for i in rows]
     with torch.no_grad():
-        if module is w2spo:  # the prompt of a row is its state, its completion the branch
-            logp, _ = w2spo.branch_logprobs(model, prompts, completions, args.temperature,
-                                            torch.float32)
-            mask = w2spo.pad(completions, 0)[1].to(logp)
-        else:
-            ids, attention, mask = module.build_batch(prompts, completions, 0)
-            logp, _ = module.token_logprobs(model, ids, attention, mask.shape[1],
-                                            args.temperature, args.micro_batch)
+        ids, attention, mask = module.build_batch(prompts, completions, 0)
+        logp, _ = module.token_logprobs(model, ids, attention, mask.shape[1],
+                                        args.temperature, args.micro_batch)
     return logp, mask.to(logp)
 
 
@@ -76,9 +75,10 @@ def test_w2spo_trains_the_branches_of_both_models(tmp_path, monkeypatch):
     check_updates(updates)
     assert summary["tokens_aux"] > 0 and summary["tokens_trained"] > 0
     assert summary["tokens_trained"] < summary["tokens_sampled"]  # the branches only
-    for update in updates:  # the auxiliary is off the target's policy, and its weight is bounded
-        assert update["stats"]["aux_log_ratio_mean"] < 0
-        assert 0 <= update["stats"]["aux_capped_frac"] <= 1
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for record in records:  # the auxiliary is off the target's policy, and its weight is bounded
+        assert record["aux_log_ratio_mean"] < 0
+        assert 0 <= record["aux_capped_frac"] <= 1 and 0 < record["aux_weight_mean"] <= 2
 
 
 def test_sampling_evolve_evolves_the_all_wrong_groups(tmp_path, monkeypatch):

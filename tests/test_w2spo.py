@@ -62,9 +62,10 @@ class Scripted:
     """A sampler whose samples are fixed by the prompt: tokens 10 + (len(prompt) + t) % 80, then EOS
     after stop(prompt) tokens. Records the rows of each call."""
 
-    def __init__(self, stop):
+    def __init__(self, stop, model=None):
         self.backend, self.stop, self.calls, self.stop_ids = "hf", stop, [], {EOS}
-        self.model = SimpleNamespace(device=torch.device("cpu"))
+        self.model = model or SimpleNamespace(device=torch.device("cpu"))
+        self.compute_dtype = torch.float32
 
     def generate(self, prompts, n, max_new_tokens, temperature, **options):
         self.calls.append(len(prompts) * n)
@@ -84,26 +85,50 @@ def test_groups_are_assembled_from_three_calls_within_the_budget(tiny_model_dir)
     target = Scripted(lambda p: 20 if len(p) == 2 else 1000)
     aux = Scripted(lambda p: 3 if len(p) % 2 == 0 else 1000)
     args = w2spo.parse_args(["--max-new-tokens", "24", "--branch-len", "5", "--group-size", "4"])
-    run = SimpleNamespace(sampler=target, tokenizer=tokenizer)
-    branches, counts = w2spo.sample_groups(run, aux, prompts, [{"answer": "0"}] * 3, args)
+    branches, counts = w2spo.sample_groups(target, aux, tokenizer, prompts, [{"answer": "0"}] * 3, args)
     assert counts["skipped_prompts"] == 0 and len(branches) == 3 * 4
-    assert target.calls == [3, 3 * 2 + sum(len(br["ids"]) == 5 for br in branches if br["aux"])]
+    assert target.calls == [3, 3 * 2 + sum(len(br.ids) == 5 for br in branches if br.by_aux)]
     assert aux.calls == [3 * 2]  # prefix rollouts, then ONE target call; one auxiliary call
     for k in range(3):
         group = branches[4 * k: 4 * k + 4]
-        assert [br["aux"] for br in group] == [False, False, True, True]
-        assert len({tuple(br["state"]) for br in group}) == 1 and 4 <= group[0]["prefix_len"] <= 16
+        assert [br.by_aux for br in group] == [False, False, True, True]
+        assert len({tuple(br.state) for br in group}) == 1 and 4 <= group[0].prefix_len <= 16
         for br in group:
-            b, z, c = br["prefix_len"], br["ids"], br["continuation"]
-            assert br["state"] == prompts[k] + [10 + (2 + t) % 80 for t in range(b)]  # r[:b]
-            if br["aux"] and len(br["state"]) % 2 == 0:  # the branch ended in EOS: not continued
-                assert z[-1] == EOS and len(z) == 4 and c == []
+            b, z, c = br.prefix_len, br.ids, br.continuation
+            assert br.state == prompts[k] + [10 + (2 + t) % 80 for t in range(b)]  # r[:b]
+            if br.by_aux and len(br.state) % 2 == 0:  # the branch ended in EOS: not continued
+                assert z[-1] == EOS and len(z) == 4 and c == [] and not br.truncated
             else:  # no EOS: branch of L, then the target's continuation up to the budget exactly
                 assert len(z) == 5 and b + len(z) + len(c) == 24 and EOS not in z + c
+                assert br.truncated  # cut off at --max-new-tokens: the answer may be missing
     rollout_tokens = 3 * 21
-    assert counts["tokens_aux"] == sum(len(br["ids"]) for br in branches if br["aux"])
+    assert counts["tokens_aux"] == sum(len(br.ids) for br in branches if br.by_aux)
     assert counts["tokens_sampled"] == rollout_tokens + sum(
-        len(br["ids"]) + len(br["continuation"]) for br in branches)
+        len(br.ids) + len(br.continuation) for br in branches)
+
+
+def test_branch_stats_log_lengths_and_the_groups_the_auxiliary_rescued():
+    """Closed form on two groups of G = 4 (B_t = B_a = 2): in the first every target branch is wrong
+    and an auxiliary one right (rescued); in the second a target branch is right."""
+    args = w2spo.parse_args(["--group-size", "4", "--max-new-tokens", "20"])
+    def branch(b, by_aux, ids, continuation, truncated, reward):
+        return w2spo.Branch([1] * (3 + b), b, ids, by_aux, continuation, truncated, reward=reward)
+    branches = [branch(4, False, [5] * 3, [6] * 13, True, 0), branch(4, False, [5] * 3, [EOS], False, 0),
+                branch(4, True, [5] * 3, [6] * 2, False, 1), branch(4, True, [5, EOS], [], False, 0),
+                branch(8, False, [5] * 3, [EOS], False, 1), branch(8, False, [5] * 3, [6], False, 0),
+                branch(8, True, [5] * 3, [6] * 9, True, 0), branch(8, True, [5] * 3, [6], False, 0)]
+    rewards = torch.tensor([br.reward for br in branches], dtype=torch.float32)
+    stats = w2spo.branch_stats(branches, rewards, args)
+    assert stats["target_all_wrong_frac"] == 0.5 and stats["aux_rescued_frac"] == 0.5
+    assert stats["all_wrong_frac"] == 0 and stats["frac_zero_std"] == 0
+    assert stats["prefix_len_mean"] == 6 and stats["truncated_frac"] == 2 / 8
+    assert stats["continuation_len_mean"] == (13 + 1 + 2 + 0 + 1 + 1 + 9 + 1) / 8
+    assert stats["branch_len_mean"] == (7 * 3 + 2) / 8
+    assert stats["reward_target_mean"] == 0.25 and stats["reward_aux_mean"] == 0.25
+    target_only = w2spo.parse_args(["--group-size", "4", "--aux-branches", "0"])
+    four = [branch(4, False, [5], [], False, r) for r in (0, 1, 0, 0)]
+    stats = w2spo.branch_stats(four, torch.tensor([0.0, 1.0, 0.0, 0.0]), target_only)
+    assert "reward_aux_mean" not in stats and stats["aux_rescued_frac"] == 0  # never NaN
 
 
 @pytest.fixture(scope="module")
@@ -115,19 +140,19 @@ def aux_model_dir(tmp_path_factory):
 def test_branch_at_entropy_takes_the_most_uncertain_allowed_position(tiny_model_dir):
     model, tokenizer = w2spo.load_model(tiny_model_dir, torch.float32, "cpu")
     prompts = [[1, 40 + i] for i in range(3)]
-    target = Scripted(lambda p: 20 if len(p) == 2 else 1000)
-    run = SimpleNamespace(sampler=target, tokenizer=tokenizer, model=model, compute_dtype=torch.float32)
+    target = Scripted(lambda p: 20 if len(p) == 2 else 1000, model)
     args = w2spo.parse_args(["--max-new-tokens", "24", "--branch-len", "5", "--branch-at", "entropy"])
-    branches = w2spo.sample_groups(run, Scripted(lambda p: 1000), prompts, [{"answer": "0"}] * 3, args)[0]
+    branches = w2spo.sample_groups(target, Scripted(lambda p: 1000), tokenizer, prompts,
+                                   [{"answer": "0"}] * 3, args)[0]
     rollouts = [[10 + (2 + t) % 80 for t in range(20)] + [EOS]] * 3
     ids, attention, mask = w2spo.build_batch(prompts, rollouts, EOS)
     entropy = w2spo.token_logprobs(model, ids, attention, mask.shape[1], 1.0, 8, True)[1]  # [3, 21]
-    assert [br["prefix_len"] for br in branches[::8]] == [4 + int(e[4:17].argmax()) for e in entropy]
+    assert [br.prefix_len for br in branches[::8]] == [4 + int(e[4:17].argmax()) for e in entropy]
 
 
-def test_branch_logprobs_are_those_of_the_full_rows_and_of_sampling(tiny_model_dir):
-    """Each distinct state forwarded once, its cache shared: the log-probs of the rows in full
-    (token_logprobs), and at a temperature those of the distribution generate sampled from."""
+def test_branch_logprobs_are_those_of_sampling(tiny_model_dir):
+    """At a temperature, the log-probs of (state, branch) rows are those of the distribution
+    generate sampled the branch from."""
     model, tokenizer = w2spo.load_model(tiny_model_dir, torch.float32, "cpu")
     prompts = [w2spo.encode_prompt(tokenizer, q) for q in ("What is 1 + 1?", "Hi there")]
     ids, mask = w2spo.pad(prompts, EOS, left=True)
@@ -139,12 +164,9 @@ def test_branch_logprobs_are_those_of_the_full_rows_and_of_sampling(tiny_model_d
     scores = torch.stack([torch.log_softmax(s, -1).gather(-1, new[:, t, None]).squeeze(-1)
                           for t, s in enumerate(out.scores)], 1)  # [4, 6]
     states, branches = [p for p in prompts for _ in range(2)], [w2spo.cut_at_eos(r, {EOS})[0] for r in new.tolist()]
-    got, entropy = w2spo.branch_logprobs(model, states, branches, 1.5, torch.float32, True)  # [4, T]
-    full_ids, attention, full_mask = w2spo.build_batch(states, branches, EOS)
-    want, want_entropy = w2spo.token_logprobs(model, full_ids, attention, full_mask.shape[1], 1.5, 8, True)
-    real = full_mask.bool()
-    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(entropy[real], want_entropy[real], atol=1e-5, rtol=1e-5)
+    args = SimpleNamespace(micro_batch=3)  # micro-batches do not change a row
+    got, _ = w2spo.branch_logprobs(model, states, branches, args, 1.5, torch.float32, True)  # [4, T]
+    real = w2spo.pad(branches, 0)[1].bool()
     torch.testing.assert_close(got[real], scores[:, : got.shape[1]][real], atol=1e-5, rtol=1e-5)
 
 
@@ -161,10 +183,19 @@ def toy_branches():
             row([1, 42], [53, 54], [60, 73, 74], [75], False, -0.5)]
 
 
-def batch_of(branches, aux_model_dir):
-    return {"prompts": [b["state"] for b in branches], "samples": [{"ids": b["branch"]} for b in branches],
-            "advantages": torch.tensor([b["adv"] for b in branches]),
-            "aux": torch.tensor([b["aux"] for b in branches]), "aux_model": fresh(aux_model_dir)}
+def as_branches(branches, model_dir, aux_model_dir, *flags):
+    """The rows as w2spo.Branch, pi_aux set by score_aux_branches (the auxiliary at --aux-temperature
+    1.3, the default), and its diagnostics."""
+    rows = [w2spo.Branch(b["state"], len(b["state"]) - b["prompt_len"], b["branch"], b["aux"],
+                         b["continuation"], False) for b in branches]
+    stats = w2spo.score_aux_branches(fresh(model_dir), fresh(aux_model_dir), rows, script_args(*flags))
+    return rows, stats
+
+
+def batch_of(branches, aux_model_dir, model_dir=None):
+    rows = as_branches(branches, model_dir or aux_model_dir, aux_model_dir)[0]
+    return {"prompts": [b["state"] for b in branches], "samples": rows,
+            "advantages": torch.tensor([b["adv"] for b in branches])}
 
 
 def script_args(*flags):
@@ -187,12 +218,12 @@ def fresh(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
-def one_step(model_dir, batch, *flags):
+def one_step(model_dir, batch, *flags, ref_model=None):
     """train_step on a fresh tiny model with an optimizer that does not move it: (stats, model)."""
     model = fresh(model_dir)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     restore = keep_applied_gradients(model, optimizer)
-    stats = w2spo.train_step(model, optimizer, batch, script_args(*flags))
+    stats = w2spo.train_step(model, optimizer, batch, script_args(*flags), ref_model)
     restore()
     return stats, model
 
@@ -201,9 +232,11 @@ def grads(model):
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-def written_out(branches, model, aux_model_dir, mode, parts=("branch",), cap=2.0, old=None):
+def written_out(branches, model, aux_model_dir, mode, parts=("branch",), cap=2.0, old=None,
+                beta=0.0, ref_model=None):
     """token-mean of the W2SPO loss over `parts` of each full trajectory, by hand; pi_aux from the
-    auxiliary at the default --aux-temperature 1.3. old: pi_old a row (default: the current, detached)."""
+    auxiliary at the default --aux-temperature 1.3. old: pi_old a row (default: the current, detached).
+    beta: + beta v k3, v = min(pi_old / pi_aux, C) on auxiliary tokens (1 under none)."""
     aux_model, terms, count = fresh(aux_model_dir), [], 0
     for j, b in enumerate(branches):
         seq = b["state"] + b["branch"] + b["continuation"]
@@ -225,7 +258,15 @@ def written_out(branches, model, aux_model_dir, mode, parts=("branch",), cap=2.0
                 else:  # branch
                     weight = torch.exp((lp_old - aux).sum()).clamp(max=cap).expand_as(lp)
             ratio = torch.exp(lp - base)
-            terms.append((weight * -torch.min(ratio * b["adv"], ratio.clamp(0.8, 1.28) * b["adv"])).sum())
+            term = weight * -torch.min(ratio * b["adv"], ratio.clamp(0.8, 1.28) * b["adv"])
+            if beta:
+                with torch.no_grad():
+                    ref = on_branch(ref_model, b)
+                    v = torch.ones_like(lp)
+                    if b["aux"] and mode != "none":
+                        v = torch.exp(lp_old - on_branch(aux_model, b, 1.3)).clamp(max=cap)
+                term = term + beta * v * (torch.exp(ref - lp) - (ref - lp) - 1)
+            terms.append(term.sum())
             count += len(lp)
     return sum(terms) / count
 
@@ -250,13 +291,40 @@ def test_loss_covers_exactly_the_branch_tokens(tiny_model_dir, aux_model_dir, mo
         assert (grads(model) - want).abs().max() > 1e-4, f"a mask with {wrong} should change the gradient"
 
 
+@pytest.mark.parametrize("mode", ["truncated", "branch"])
+def test_a_cap_below_one_leaves_the_targets_tokens_alone(tiny_model_dir, aux_model_dir, mode):
+    """--is-cap 0.5 caps the auxiliary's weights only: a target token keeps w = 1 (min(1, C) was 0.5)."""
+    branches = toy_branches()
+    stats, model = one_step(tiny_model_dir, batch_of(branches, aux_model_dir), "--aux-is", mode,
+                            "--is-cap", "0.5")
+    hand = fresh(tiny_model_dir)
+    written_out(branches, hand, aux_model_dir, mode, cap=0.5).backward()
+    torch.testing.assert_close(grads(model), grads(hand), atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["truncated", "clip", "none"])
+def test_the_kl_term_of_auxiliary_tokens_is_importance_weighted(tiny_model_dir, aux_model_dir, mode):
+    """--beta > 0: k3 estimates KL(pi_theta || pi_ref) on tokens pi_theta sampled, so on an auxiliary
+    token it is weighted by v = min(pi_old / pi_aux, C) (1 under --aux-is none). A reference that
+    differs from the policy (the other tiny model) makes the KL gradient nonzero."""
+    branches = toy_branches()
+    flags = ("--aux-is", mode, "--beta", "0.5", "--is-cap", "1.1")
+    stats, model = one_step(tiny_model_dir, batch_of(branches, aux_model_dir), *flags,
+                            ref_model=fresh(aux_model_dir))
+    hand = fresh(tiny_model_dir)
+    want = written_out(branches, hand, aux_model_dir, mode, cap=1.1, beta=0.5,
+                       ref_model=fresh(aux_model_dir))
+    want.backward()
+    torch.testing.assert_close(grads(model), grads(hand), atol=1e-6, rtol=1e-4)
+
+
 def test_the_modes_differ_on_the_same_rows(tiny_model_dir, aux_model_dir):
     """The auxiliary's ratios (0.5 to 1.4 here) differ from 1: the clip range acts, and a cap of 1."""
     branches = toy_branches()
     losses = {mode: one_step(tiny_model_dir, batch_of(branches, aux_model_dir), "--aux-is", mode)[0]["loss"]
               for mode in ("truncated", "clip", "none", "branch")}
     assert len({round(v, 6) for v in losses.values()}) == 4, losses
-    stats = one_step(tiny_model_dir, batch_of(branches, aux_model_dir), "--is-cap", "1")[0]
+    stats = as_branches(branches, tiny_model_dir, aux_model_dir, "--is-cap", "1")[1]
     assert 0 < stats["aux_capped_frac"] < 1 and 0 < stats["aux_outside_clip_frac"] < 1
 
 
@@ -294,12 +362,13 @@ def test_truncated_weight_stays_pi_old_over_pi_aux_for_every_epoch(tiny_model_di
 def test_none_mode_is_grpo_on_the_branch_rows(tiny_model_dir, aux_model_dir):
     """Without a correction, W2SPO's update is grpo.py's on (state -> branch) rows."""
     batch = batch_of(toy_branches(), aux_model_dir)
+    as_dicts = [{"ids": branch.ids, "sampler_logprobs": None} for branch in batch["samples"]]
     results = []
-    for module, keys in ((w2spo, batch), (grpo, ("prompts", "samples", "advantages"))):
+    for module, samples in ((w2spo, batch["samples"]), (grpo, as_dicts)):
         model = fresh(tiny_model_dir)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         restore = keep_applied_gradients(model, optimizer)
-        stats = module.train_step(model, optimizer, {k: batch[k] for k in keys},
+        stats = module.train_step(model, optimizer, batch | {"samples": samples},
                                   script_args("--aux-is", "none"))
         restore()
         results.append((stats["loss"], grads(model)))
@@ -329,22 +398,75 @@ def test_diagnostics_are_those_of_pi_old_over_pi_aux(tiny_model_dir, aux_model_d
     branches = toy_branches()
     model, aux_model = fresh(tiny_model_dir), fresh(aux_model_dir)
     with torch.no_grad():
-        log_ratio = torch.cat([on_branch(model, b) - on_branch(aux_model, b, 1.3) for b in branches if b["aux"]])
+        per_branch = [on_branch(model, b) - on_branch(aux_model, b, 1.3) for b in branches if b["aux"]]
+    log_ratio = torch.cat(per_branch)
     ratio = log_ratio.exp()
     cap = ratio.median().item()  # binds on some tokens, not all
-    stats = one_step(tiny_model_dir, batch_of(branches, aux_model_dir), "--is-cap", str(cap))[0]
+    rows, stats = as_branches(branches, tiny_model_dir, aux_model_dir, "--is-cap", str(cap))
     assert stats["aux_log_ratio_mean"] == pytest.approx(log_ratio.mean().item(), abs=1e-5)
     assert stats["aux_capped_frac"] == pytest.approx((ratio > cap).float().mean().item())
     assert stats["aux_outside_clip_frac"] == pytest.approx(((ratio < 0.8) | (ratio > 1.28)).float().mean().item())
+    assert stats["aux_weight_mean"] == pytest.approx(ratio.clamp(max=cap).mean().item(), abs=1e-5)
     assert 0 < stats["aux_capped_frac"] < 1
+    for row, b in zip(rows, branches):  # pi_aux, kept on the branch for train_step
+        if b["aux"]:
+            torch.testing.assert_close(torch.tensor(row.aux_logprobs), on_branch(aux_model, b, 1.3))
+        else:
+            assert row.aux_logprobs is None
+    # --aux-is branch: C binds on each branch's product of ratios, and w is that capped product
+    products = torch.stack([r.sum().exp() for r in per_branch])  # [auxiliary branches]
+    cap = products.min().item() * 1.01  # binds on one of the two branches
+    stats = as_branches(branches, tiny_model_dir, aux_model_dir, "--aux-is", "branch", "--is-cap", str(cap))[1]
+    assert stats["aux_capped_frac"] == 0.5
+    lengths = torch.tensor([len(r) for r in per_branch], dtype=torch.float32)
+    weight = (products.clamp(max=cap) * lengths).sum() / lengths.sum()  # per token, as applied
+    assert stats["aux_weight_mean"] == pytest.approx(weight.item(), rel=1e-4)
+
+
+def test_diagnostics_cover_every_auxiliary_branch_not_only_the_trained(tiny_model_dir, tmp_path, monkeypatch):
+    """aux_log_ratio_mean of a step is the mean over all its auxiliary tokens, groups with A = 0
+    (never forwarded by train_step) and groups --filter-groups drops included."""
+    seen = []
+    real = w2spo.sample_groups
+    monkeypatch.setattr(w2spo, "sample_groups", lambda *a: seen.append(real(*a)) or seen[-1])
+    w2spo.main(tiny_run(tiny_model_dir, tmp_path, "--steps", "1", "--filter-groups"))
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    branches = seen[0][0]
+    start, aux = fresh(tiny_model_dir), fresh(tiny_model_dir)  # the frozen copy of the start
+    with torch.no_grad():
+        log_ratio = torch.cat([
+            full_logprobs(start, br.state + br.ids)[len(br.state) - 1:]
+            - full_logprobs(aux, br.state + br.ids, 1.3)[len(br.state) - 1:]
+            for br in branches if br.by_aux])
+    rewards = torch.tensor([br.reward for br in branches]).view(-1, 8)
+    assert (rewards.std(dim=1) == 0).any(), "the test needs a group with equal rewards"
+    assert record["aux_log_ratio_mean"] == pytest.approx(log_ratio.mean().item(), abs=1e-5)
+
+
+def test_target_only_branches_never_touch_the_auxiliary(tiny_model_dir, tmp_path, monkeypatch):
+    """--aux-branches 0, the paper's ablation: no auxiliary sample, no auxiliary forward, no NaN."""
+    nets = []
+    real = w2spo.branch_logprobs
+    monkeypatch.setattr(w2spo, "branch_logprobs", lambda net, *a, **k: nets.append(net) or real(net, *a, **k))
+    summary = w2spo.main(tiny_run(tiny_model_dir, tmp_path, "--steps", "1", "--aux-branches", "0"))
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert summary["tokens_aux"] == 0 and "reward_aux_mean" not in record
+    assert not any(isinstance(v, float) and v != v for v in record.values()), record  # no NaN
+    assert nets == []  # train_step forwards the policy itself; nothing forwarded the auxiliary
+
+
+def test_the_docstring_says_what_is_trained():
+    doc = w2spo.__doc__
+    assert "branch tokens y_i of both models" in doc and "--aux-branches 0" in doc
+    assert "auxiliary's alone" in doc  # the abstract's other reading
 
 
 # ----------------------------------------------------------------------------- flags and the auxiliary
 
 @pytest.mark.parametrize("flags,groups", [
     ([], (4, 4, 8)), (["--group-size", "6"], (3, 3, 6)),
-    (["--target-branches", "8"], (8, 0, 8)), (["--aux-branches", "6"], (2, 6, 8)),
-    (["--group-size", "10", "--target-branches", "6", "--aux-branches", "4"], (6, 4, 10)),
+    (["--aux-branches", "0"], (8, 0, 8)), (["--aux-branches", "6"], (2, 6, 8)),
+    (["--group-size", "10", "--aux-branches", "4"], (6, 4, 10)), (["--group-size", "5"], (2, 3, 5)),
 ])
 def test_the_group_is_target_plus_auxiliary_branches(flags, groups):
     args = w2spo.parse_args(flags)
@@ -352,9 +474,9 @@ def test_the_group_is_target_plus_auxiliary_branches(flags, groups):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--target-branches", "6", "--aux-branches", "4"], "must add up to --group-size 8"),
-    (["--target-branches", "10"], "must add up to --group-size 8"),
-    (["--group-size", "4", "--aux-branches", "5"], "must add up to --group-size 4"),
+    (["--aux-branches", "9"], "--aux-branches 9 is larger than --group-size 8"),
+    (["--group-size", "4", "--aux-branches", "5"], "larger than --group-size 4"),
+    (["--aux-branches", "-1"], "--aux-branches"),
     (["--branch-len", "0"], "--branch-len"),
     (["--branch-range", "0", "0.8"], "--branch-range"),
     (["--branch-range", "0.2", "1.0"], "--branch-range"),
@@ -394,7 +516,9 @@ def test_a_bad_target_with_an_auxiliary_is_a_one_line_error(tiny_model_dir, tmp_
         w2spo.main(["--model", str(tmp_path / "none"), "--aux-model", tiny_model_dir])
     assert str(err.value).startswith("error: cannot load model") and "\n" not in str(err.value)
     w2spo.parse_args(["--aux-is", "clip", "--is-cap", "3"])
-    assert "--is-cap applies to --aux-is truncated only" in capsys.readouterr().err
+    assert "--is-cap is unused here" in capsys.readouterr().err
+    w2spo.parse_args(["--aux-is", "clip", "--is-cap", "3", "--beta", "0.1"])  # the KL weight's cap
+    assert "--is-cap" not in capsys.readouterr().err
 
 
 def test_base_model_without_chat_template_or_pad_is_accepted(tiny_model_dir, tmp_path):
@@ -431,8 +555,10 @@ def tiny_run(model_dir, out, *extra):
 
 
 STEP_KEYS = ("reward_mean", "frac_zero_std", "all_wrong_frac", "reward_target_mean", "reward_aux_mean",
-             "skipped_prompts", "tokens_sampled", "tokens_aux",
-             "tokens_trained", "aux_log_ratio_mean", "aux_outside_clip_frac", "aux_capped_frac", "step_seconds")
+             "target_all_wrong_frac", "aux_rescued_frac", "prefix_len_mean", "branch_len_mean",
+             "continuation_len_mean", "truncated_frac", "skipped_prompts", "tokens_sampled", "tokens_aux",
+             "tokens_trained", "aux_log_ratio_mean", "aux_outside_clip_frac", "aux_capped_frac",
+             "aux_weight_mean", "step_seconds")
 
 
 def test_one_training_run_end_to_end(tiny_model_dir, tmp_path):
