@@ -24,10 +24,10 @@ replaces "x > 0"; the visit order is "a + b = 7 holds", " x > 0 ", "a+b=7"; "a+b
 Result: [" x > 0 ", "a + b = 7 holds"].
 
 The official run (scripts/run.sh): R = 4, K = 32, tau = 0.8 (all-MiniLM-L6-v2), temperature 0.6,
-top-p 0.95, top-k 20 for solver and distiller, up to 5 retries of a reply that is not valid JSON,
-the whole bank rendered, sorted. Its round 0 draws far more: 10240 samples a problem, the bank built
-from the first 100 valid distillations. Approximate it with --first-round-samples 10240
---distill-per-problem 100 (the first 100 trajectories are distilled, not the first 100 valid).
+top-p 0.95, top-k 20 and up to 38912 new tokens for solver and distiller, up to 5 retries of a
+reply that is not valid JSON, the whole bank rendered, sorted. Its round 0 draws far more: 10240
+samples a problem, the bank built from the first 100 valid distillations (--first-round-samples
+10240 --distill-per-problem 100: the first 100 trajectories are distilled, not the first 100 valid).
 
 [our choice] notes:
   * A small model's distiller reply must parse. (1) The assistant turn is prefilled with the
@@ -38,7 +38,8 @@ from the first 100 valid distillations. Approximate it with --first-round-sample
     schema would force the object from its first character, which the prefill has written. The
     official distiller samples free text, valid when the first "{" to the last "}" is JSON.
   * Valid: an object with either list; json_valid_rate counts replies, retries included. Items
-    without a letter or digit (copies of the format's "...") are dropped. --distill-retries 1.
+    without a letter or digit (copies of the format's "...") are dropped. A string where a list
+    belongs is one item (the official parser iterates it: a character an item). --distill-retries 1.
   * The prompts are the official ones in fewer words: a 135M model follows a short instruction and
     loses a long one, and every distillation reads the whole prompt. Cut from the distiller's: the
     role preamble, the lists of what to extract with their LaTeX examples, the fourth pitfall kind
@@ -52,15 +53,18 @@ from the first 100 valid distillations. Approximate it with --first-round-sample
   * --bank-max-items N renders the N longest items of each list (0: the whole bank, official). A
     bank that would not fit --max-model-len is cut, the longest items kept, with a warning.
   * A baseline in the same run: the plain prompt and as many solver samples each round (round 0
-    shared), compared overall and on the problems that had a bank (guided_pass@1).
+    shared), compared overall and on the problems that had a bank (guided_pass@1), drawn from a
+    generator of its own (RSE's rounds are the same with --no-baseline). --problem-seed, not
+    --seed, picks the held-out problems: seeds differ in sampling alone.
   * Row r of the table (summary.json "rounds") reports round r's solver, the bank round r read,
     and round r's own distillation (which builds round r+1's bank), tokens read and written.
 
-Run (the defaults fit a 2-core CPU; the second command is closer to the official run):
+Run (the defaults fit a 2-core CPU; the second command: the official run's settings, ours above):
     python rse_search.py              # offline default: SmolLM2-135M-Instruct, arithmetic, CPU
     python rse_search.py --model Qwen/Qwen3-4B-Instruct-2507 --backend vllm --dataset hmmt.jsonl \\
-        --eval-problems 30 --samples-per-round 32 --max-new-tokens 16384 --distill-retries 5 \\
-        --distill-max-new-tokens 4096 --max-model-len 32768 --gpu-memory-utilization 0.85
+        --eval-problems 30 --rounds 4 --samples-per-round 32 --first-round-samples 10240 \\
+        --distill-per-problem 100 --distill-retries 5 --max-new-tokens 38912 \\
+        --distill-max-new-tokens 38912 --max-model-len 100000 --gpu-memory-utilization 0.85
 """
 import argparse
 import importlib.util
@@ -99,6 +103,7 @@ def parse_args(argv=None):
     add("--bank-max-items", type=at_least_0, default=0,
         help="render the N longest items of each list (0: the whole bank, as the official code)")
     add("--no-baseline", action="store_true", help="skip the plain-sampling baseline")
+    add("--problem-seed", type=at_least_0, default=0, help="picks the problems (--seed: sampling)")
     parser.set_defaults(temperature=0.6, max_new_tokens=48, eval_problems=12, eval_k=None)
     args = parser.parse_args(argv)
     args.output_dir = args.output_dir or os.path.join("runs", "rse_search")
@@ -215,8 +220,9 @@ def close_cut_off(text):
 
 def parse_reply(reply):
     """A distiller reply -> {"propositions": [...], "pitfalls": [...]}, or None when it holds no
-    object with either list. The object starts at the first "{" (after any </think>); prose after
-    it is ignored; a cut-off object is closed after its last complete item."""
+    object with either list (or a string in its place). The object starts at the first "{" (after
+    any </think>); prose after it is ignored; a cut-off object is closed after its last complete
+    item."""
     text = reply.split("</think>")[-1]
     text = fix_backslashes(text[text.find("{"):]) if "{" in text else ""
     for candidate in (text, close_cut_off(text)):
@@ -224,10 +230,18 @@ def parse_reply(reply):
             value = json.JSONDecoder(strict=False).raw_decode(candidate or "")[0]
         except ValueError:
             continue
-        if isinstance(value, dict) and any(isinstance(value.get(key), list) for key in KEYS):
-            return {name: [item.strip() for item in value.get(key) or [] if isinstance(item, str)
-                           and re.search(r"[^\W_]", item)] for key, name in KEYS.items()}
+        if isinstance(value, dict) and any(isinstance(value.get(key), (list, str)) for key in KEYS):
+            return {name: listed_items(value.get(key)) for key, name in KEYS.items()}
     return None
+
+def listed_items(value):
+    """A reply's list -> its stripped items that hold a letter or digit. A bare string is one item
+    (the official parser iterates it: a character an item); any other value holds none."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        return []
+    return [item.strip() for item in value if isinstance(item, str) and re.search(r"[^\W_]", item)]
 
 def structured_output():
     """vLLM's sampling option that forces REST_OF_OBJECT (the engine's structured output)."""
@@ -375,10 +389,11 @@ def grow_banks(banks, picked, records, K, embed, tau):
                 (t, True) for experience in found for t in experience[name]], embed, tau)
 
 def load_search_problems(args):
-    """The problems searched: --eval-dataset, else the test split of --dataset (a file: itself)."""
+    """The problems searched: --eval-dataset, else the test split of --dataset (a file: itself),
+    shuffled by --problem-seed: every --seed searches the same problems."""
     try:
         problems = verifier.load_problems(
-            args.eval_dataset or args.dataset, "test", None, args.seed,
+            args.eval_dataset or args.dataset, "test", None, args.problem_seed,
             question_field=args.question_field, answer_field=args.answer_field)
     except (ValueError, OSError) as err:  # a missing file, a bad line, no problems
         die(str(err))
@@ -403,9 +418,11 @@ def print_table(rows, baseline):
 
 def main(argv=None):
     args = parse_args(argv)
-    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
-    problems, device = load_search_problems(args), "cuda" if torch.cuda.is_available() else "cpu"
-    compute_dtype, P = getattr(torch, args.dtype), len(problems)
+    torch.manual_seed(args.seed)  # RSE's draws (HF generate, vLLM's sampler); the baseline: step 3
+    problems = load_search_problems(args)
+    P = len(problems)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    compute_dtype = getattr(torch, args.dtype)
     if args.backend == "vllm":  # the engine holds the weights; here only the tokenizer
         engine = create_vllm_engine(args.model, args, compute_dtype)
         model, tokenizer = None, engine.get_tokenizer()
@@ -450,11 +467,15 @@ def main(argv=None):
                "nonempty_bank_frac": len(guided) / P,
                "guided_pass@1": float(np.mean([right[i] for i in guided])) / K if guided else None,
                "guided_baseline_pass@1": None}
-        # 3. the baseline: K more samples a problem with the plain prompt (round 0 is shared)
+        # 3. the baseline: K more samples a problem with the plain prompt (round 0 is shared), from
+        # a generator seeded by (--seed, round): RSE's draws are the same with --no-baseline
         if not args.no_baseline:
             b_right, b_stats = right, stats
             if r > 0:
-                _, b_right, b_stats, records = solve(sampler, tokenizer, plain, problems, K, args)
+                with torch.random.fork_rng():  # RSE's generator state comes back after the block
+                    torch.manual_seed(random.Random(f"baseline {args.seed} {r}").getrandbits(63))
+                    _, b_right, b_stats, records = solve(sampler, tokenizer, plain, problems, K,
+                                                         args)
                 write("trajectories", *({"method": "baseline", "round": r, **rec}
                                         for rec in records))
             base_solved = [s or c > 0 for s, c in zip(base_solved, b_right)]

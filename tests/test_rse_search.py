@@ -1,6 +1,7 @@
 """rse_search.py: the official dedup rules on hand-made items, the distiller's prefill and its
-closing parser, prompt rendering and the empty-bank rule, the accounting of a round, bad input, and
-real runs (the tiny model, SmolLM2-135M on the CPU, vLLM)."""
+closing parser, prompt rendering and the empty-bank rule, the accounting of a round, bad input, the
+problem draw and the baseline's own generator, and real runs (the tiny model, SmolLM2-135M on the
+CPU, vLLM)."""
 import importlib.util
 import json
 import os
@@ -140,6 +141,11 @@ P = rse_search.PREFILL
     (P + '1"], "critical_pitfalls": ["13", "13"]]\n\nSo, this is it.', (["1"], ["13", "13"])),
     # copies of the format's placeholder and blank items carry nothing
     (P + '...", " 8 + 13 = 21 ", ""], "critical_pitfalls": ["..."]}', (["8 + 13 = 21"], [])),
+    # a string where a list belongs is one item, not a list of its characters
+    (P + 'x"], "critical_pitfalls": "not a list"}', (["x"], ["not a list"])),
+    ('{"verified_propositions": "a = 2", "critical_pitfalls": 5}', (["a = 2"], [])),
+    ('{"critical_pitfalls": "..."}', ([], [])),
+    ('{"critical_pitfalls": {"step": "a sign"}}', None),
     # nothing usable
     (P + "The student's attempt is correct and the answer is", None),
     (P + '1.1.1.2.2.1.2.3.3.3.3.3', None),
@@ -319,6 +325,14 @@ def test_bad_problem_files_are_one_line_errors(tmp_path, content, message):
     assert "\n" not in str(err.value)
 
 
+def test_the_problems_searched_do_not_depend_on_the_seed():
+    def questions(*flags):
+        args = rse_search.parse_args(["--eval-problems", "8", *flags])
+        return [p["question"] for p in rse_search.load_search_problems(args)]
+    assert questions("--seed", "1") == questions("--seed", "2") == questions()
+    assert questions("--problem-seed", "1") != questions()  # the flag picks another draw
+
+
 # ------------------------------------------------------------------------ real runs
 
 def long_context_tiny_model(tiny_model_dir, tmp_path):
@@ -394,6 +408,24 @@ def test_same_seed_same_run(tiny_model_dir, tmp_path):
     trajectories = [json.loads(line) for line in runs[0][2].splitlines()]
     assert len(trajectories) == 2 * 4 + 2 * 2 * 2 + 2 * 2 * 2  # round 0 (K_0 4), 2 rounds, baseline
     assert summary["rounds"][0]["pass@k"] is not None and summary["k"] == 2
+
+
+def test_the_baseline_draws_from_its_own_generator(tiny_model_dir, tmp_path):
+    """RSE's rounds (its rows, samples and distillations) are the same with and without the
+    baseline at one seed: the baseline's samples never move RSE's random stream."""
+    model, runs = long_context_tiny_model(tiny_model_dir, tmp_path), []
+    for name, flags in (("with", []), ("without", ["--no-baseline"])):
+        summary = rse_search.main(["--model", model, *TINY, *flags,
+                                   "--output-dir", str(tmp_path / name)])
+        rows = [{k: v for k, v in row.items() if k != "guided_baseline_pass@1"}
+                for row in summary["rounds"]]
+        mine = [t for t in read_jsonl(tmp_path / name / "trajectories.jsonl")
+                if t["method"] == "rse"]
+        runs.append((rows, mine, read_jsonl(tmp_path / name / "distillations.jsonl")))
+        assert len(summary["baseline"]) == (0 if flags else 3)
+    assert runs[0] == runs[1]
+    texts = [t["text"] for t in runs[0][1] if t["round"] > 0]
+    assert len(set(texts)) > 1  # the samples are random: the equality above says something
 
 
 def test_smollm2_prefilled_distiller_writes_valid_json_and_never_sees_the_gold(tmp_path,
