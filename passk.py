@@ -28,10 +28,14 @@ GRPO. Worked table, N = 8, k = 4 (the defaults), beside GRPO (the 1e-4 left out)
 It weighs hard problems, barely punishes a wrong answer and ignores problems solved more than N - k
 times: it pays for exploring. --passk-mode full (Sec. 2.2): floor(G/k) disjoint groups of k, GRPO
 across them; bootstrap (Eq. 6): G random k-subsets, a response gets the SUM of its subsets' A, about
-k x analytic (--bootstrap-average: their mean, close to analytic). --mix combination (Eq. 18):
+about k x analytic, and --bootstrap-average (their mean) close to analytic, on hard problems only:
+with G subsets per prompt both fall below as c grows (tests/test_passk.py). --mix combination (Eq. 18):
 A = (c/N) A_passk + (1 - c/N) A_1; adaptive (Sec. 4): the half of the problems with the highest
 mean token entropy get A_1, the rest A_passk. Paper: DAPO, no KL, lr 1e-6, N = 32, k = 8.
-[our choice] sigma + 1e-4 (grpo.py's; the authors add 1e-6), so --k 1 is grpo.py exactly.
+[our choice] sigma + 1e-4 (grpo.py's; the authors add 1e-6), so --k 1 is grpo.py exactly with
+--scale-rewards group (the Pass@k advantage is always divided by sigma: --scale-rewards sets A_1
+of --mix only). --k G trains nothing (every k-subset is the whole group): refused without --mix.
+--filter-groups drops the groups whose advantages are all 0: equal rewards, and c > N - k.
 
 The update (policy_loss, aggregate_loss, train_step):
     rho_i,t = pi_theta(y_i,t | x, y_i,<t) / pi_old(y_i,t | x, y_i,<t)
@@ -82,6 +86,11 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.k > args.group_size:
         die(f"--k {args.k} is larger than --group-size {args.group_size}: k-subsets need k")
+    full_groups = args.group_size // args.k  # --passk-mode full: disjoint groups of k
+    one_subset = args.k == args.group_size or (args.passk_mode == "full" and full_groups < 2)
+    if one_subset and args.mix == "none":  # every group's k-subsets have one reward: A = 0
+        die(f"--k {args.k} of --group-size {args.group_size} trains nothing (--passk-mode "
+            f"{args.passk_mode}: the subsets' rewards never differ); lower --k or add --mix")
     if args.bootstrap_average and args.passk_mode != "bootstrap":
         die("--bootstrap-average applies to --passk-mode bootstrap only")
     return args
@@ -167,11 +176,16 @@ def problem_entropy(model, prompts, samples, args):
 def passk_training_advantages(rewards, args, entropy=None):
     """The advantage trained, as --passk-mode and --mix choose: rewards [P * G] -> [P * G]."""
     G = args.group_size
-    passk = (passk_advantages(rewards, G, args.k) if args.passk_mode == "analytic" else
-             passk_advantages_full(rewards, G, args.k) if args.passk_mode == "full" else
-             passk_advantages_bootstrap(rewards, G, args.k, args.bootstrap_average))
-    return passk if args.mix == "none" else mix_advantages(
-        group_advantages(rewards, G, args.scale_rewards), passk, rewards, G, entropy)
+    if args.passk_mode == "analytic":
+        passk = passk_advantages(rewards, G, args.k)  # Eqs. 11-15
+    elif args.passk_mode == "full":
+        passk = passk_advantages_full(rewards, G, args.k)  # floor(G/k) disjoint groups of k
+    else:
+        passk = passk_advantages_bootstrap(rewards, G, args.k, args.bootstrap_average)  # Eq. 6
+    if args.mix == "none":
+        return passk
+    pass1 = group_advantages(rewards, G, args.scale_rewards)  # A_1
+    return mix_advantages(pass1, passk, rewards, G, entropy)
 
 
 def group_advantages(rewards, group_size, scale="group"):
@@ -242,10 +256,11 @@ def train_step(model, optimizer, batch, args, ref_model=None):
                                   args.max_new_tokens)
             loss.backward()
             tokens = mask.bool()
-            engine_logp = [samples[i].get("sampler_logprobs") for i in rows]  # vLLM's
-            if epoch == 0 and None not in engine_logp:
-                engine_logp = pad(engine_logp, 0.0, dtype=torch.float32)[0].to(model.device)
-                gaps.append((logp.detach() - engine_logp).abs()[tokens])
+            for j, i in enumerate(rows):  # vLLM's log-probs, where it sampled the row
+                engine_logp = samples[i].get("sampler_logprobs")
+                if epoch == 0 and engine_logp:
+                    ours = logp[j, : len(engine_logp)].detach()  # [tokens]
+                    gaps.append((ours - torch.tensor(engine_logp).to(ours)).abs())
             for key, value in (("loss", loss), ("clip_frac", clipped[tokens].sum()),
                                ("kl", kl[tokens].sum() if kl is not None else torch.zeros(())),
                                ("entropy", entropy[tokens].sum()), ("tokens", tokens.sum())):
@@ -280,7 +295,8 @@ def main(argv=None):
         entropy = problem_entropy(run.model, prompts, samples, args) if args.mix == "adaptive" else None
         advantages = passk_training_advantages(rewards, args, entropy)  # [P * G]
         zero_std = rewards.view(-1, G).std(dim=1) == 0  # [P]
-        rows = [i for i in range(len(samples)) if not (args.filter_groups and zero_std[i // G])]
+        dead = (advantages.view(-1, G) == 0).all(dim=1)  # [P]: equal rewards, or c > N - k
+        rows = [i for i in range(len(samples)) if not (args.filter_groups and dead[i // G])]
         stats = run.update([prompts[i // G] for i in rows], [samples[i] for i in rows],
                            advantages[rows]) if rows else {}
         lengths = [len(s["ids"]) for s in samples]

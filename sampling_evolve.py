@@ -369,10 +369,11 @@ def train_step(model, optimizer, batch, args, ref_model=None):
                                   args.max_new_tokens)
             loss.backward()
             tokens = mask.bool()
-            engine_logp = [samples[i].get("sampler_logprobs") for i in rows]  # vLLM's
-            if epoch == 0 and None not in engine_logp:
-                engine_logp = pad(engine_logp, 0.0, dtype=torch.float32)[0].to(model.device)
-                gaps.append((logp.detach() - engine_logp).abs()[tokens])
+            for j, i in enumerate(rows):  # vLLM's log-probs, where it sampled the row
+                engine_logp = samples[i].get("sampler_logprobs")
+                if epoch == 0 and engine_logp:
+                    ours = logp[j, : len(engine_logp)].detach()  # [tokens]
+                    gaps.append((ours - torch.tensor(engine_logp).to(ours)).abs())
             for key, value in (("loss", loss), ("clip_frac", clipped[tokens].sum()),
                                ("kl", kl[tokens].sum() if kl is not None else torch.zeros(())),
                                ("entropy", entropy[tokens].sum()), ("tokens", tokens.sum())):

@@ -472,3 +472,24 @@ def test_missing_dataset_field_is_a_one_line_error(tiny_model_dir, tmp_path):
     with pytest.raises(SystemExit) as err:
         grpo.main(["--model", tiny_model_dir, "--dataset", str(data), "--output-dir", str(tmp_path)])
     assert "line 2: missing field 'question'" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_vllm_check_skips_only_the_rows_without_engine_logprobs(tiny_model_dir):
+    """A row without the sampler's log-probs (SamplingEvolve's rescued rows) leaves the check on for
+    the other rows of its micro-batch: the logged mismatch is theirs."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    prompts = [[1, 40, 41], [1, 42], [1, 43, 44, 45]]
+    completions = [[50, 51, 52], [53, 54, 55, 56], [57, 2]]
+    ids, attention, mask = grpo.build_batch(prompts, completions, 2)
+    with torch.no_grad():
+        ours = grpo.token_logprobs(model, ids, attention, mask.shape[1], 1.0, 8)[0]  # [3, T]
+    samples = [{"ids": c, "sampler_logprobs": (ours[i, : len(c)] + 0.25).tolist()}
+               for i, c in enumerate(completions)]
+    samples[1]["sampler_logprobs"] = None  # a rescued row: not sampled by the engine
+    args = grpo.parse_args(["--micro-batch", "3", "--max-grad-norm", "0"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    batch = {"prompts": prompts, "samples": samples, "advantages": torch.tensor([1.0, -1.0, 0.5])}
+    stats = grpo.train_step(model, optimizer, batch, args)
+    assert stats["logp_mismatch_mean"] == pytest.approx(0.25, abs=1e-5)
+    assert stats["logp_mismatch_max"] == pytest.approx(0.25, abs=1e-5)

@@ -254,6 +254,9 @@ def test_flags_pick_the_advantage():
     (["--group-size", "4", "--k", "5"], "--k 5 is larger than --group-size 4"),
     (["--k", "0"], "argument --k: must be at least 1"),
     (["--bootstrap-average"], "--bootstrap-average applies to --passk-mode bootstrap only"),
+    (["--k", "8"], "--k 8 of --group-size 8 trains nothing"),
+    (["--k", "5", "--passk-mode", "full"], "--k 5 of --group-size 8 trains nothing"),
+    (["--k", "8", "--passk-mode", "bootstrap"], "trains nothing"),
 ])
 def test_bad_flags_give_one_line_errors(argv, message):
     with pytest.raises(SystemExit) as exc:  # in the flag checks, before data or model are loaded; the
@@ -263,7 +266,8 @@ def test_bad_flags_give_one_line_errors(argv, message):
 
 
 def test_good_flags_pass():
-    for argv in (["--k", "8"], ["--k", "1"], ["--passk-mode", "bootstrap", "--bootstrap-average"]):
+    for argv in (["--k", "8", "--mix", "combination"], ["--k", "1"], ["--k", "4", "--passk-mode", "full"],
+                 ["--passk-mode", "bootstrap", "--bootstrap-average"]):
         passk.parse_args(argv)
 
 
@@ -332,3 +336,42 @@ def test_resume_continues_the_bootstrap_draws(tiny_model_dir, tmp_path):
     lines = [[{k: v for k, v in json.loads(line).items() if "seconds" not in k}
               for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in ("whole", "cut")]
     assert lines[0] == lines[1] and [r["step"] for r in lines[1]] == [1, 2, 3]
+
+
+def test_k1_is_grpo_with_group_scaling_only():
+    """--scale-rewards sets A_1 of --mix only: at --k 1 the Pass@k advantage is GRPO's with the std
+    whatever the flag says, so it is not Dr. GRPO's under --scale-rewards none."""
+    rewards = torch.tensor([1, 0, 0, 0, 1, 1, 0, 1.])  # 2 groups of 4
+    for scale in ("group", "none"):
+        args = passk.parse_args(["--group-size", "4", "--k", "1", "--scale-rewards", scale])
+        got = passk.passk_training_advantages(rewards, args)
+        assert torch.allclose(got, grpo.group_advantages(rewards, 4, "group"), atol=1e-6)
+    assert not torch.allclose(got, grpo.group_advantages(rewards, 4, "none"), atol=1e-3)
+
+
+def test_filter_groups_drops_the_groups_pass_at_k_leaves_without_signal(tiny_model_dir, tmp_path, monkeypatch):
+    """N = 8, k = 4: a group with c = 5 > N - k has every A = 0 though its rewards differ;
+    --filter-groups drops it from the batch (it diluted the normalisers), keeps the c = 1 group."""
+    scripted = iter([1.0] * 5 + [0.0] * 3 + [1.0] + [0.0] * 7)  # prompt 1: c = 5; prompt 2: c = 1
+    real_reward = passk.verifier.reward
+    batches = []
+    real_step = passk.train_step
+    def recording(model, optimizer, batch, args, ref_model=None):
+        batches.append(batch)
+        return real_step(model, optimizer, batch, args, ref_model)
+    monkeypatch.setattr(passk, "train_step", recording)
+    out = tmp_path / "run"
+    argv = ["--model", tiny_model_dir, "--steps", "1", "--prompts-per-step", "2", "--micro-batch", "8",
+            "--max-new-tokens", "4", "--eval-problems", "2", "--eval-samples", "2", "--eval-k", "2",
+            "--filter-groups", "--output-dir", str(out)]
+    real_steps = passk.Run.steps
+    def steps(run):  # the scripted rewards inside the training steps only, not in the evaluations
+        for item in real_steps(run):
+            monkeypatch.setattr(passk.verifier, "reward", lambda text, gold: next(scripted))
+            yield item
+            monkeypatch.setattr(passk.verifier, "reward", real_reward)
+    monkeypatch.setattr(passk.Run, "steps", steps)
+    passk.main(argv)
+    advantages = batches[0]["advantages"]
+    assert len(advantages) == 8  # the c = 5 group is gone
+    assert advantages.tolist() == pytest.approx([1.0] + [-1 / 7] * 7, abs=1e-3)  # the c = 1 group
