@@ -19,6 +19,11 @@ The update (policy_loss, aggregate_loss, train_step):
     token-mean    sum over the batch's tokens / their number               (DAPO, the default)
     seq-mean      mean over each sequence's tokens, then over sequences    (original GRPO)
     seq-sum-norm  sum / (number of sequences x --max-new-tokens)           (Dr. GRPO)
+  k3, Schulman's estimator of KL(pi_theta || pi_ref), is unbiased as a value on tokens pi_theta
+  sampled; as a loss its gradient is that of KL(pi_ref || pi_theta), the reverse direction (as in
+  TRL and verl). Our A_i is sqrt(G / (G - 1)) times TRL's and verl's (population std, not Bessel's).
+  With beta = 0 a row with A = 0 is never forwarded, so --filter-groups only rescales the loss.
+  clip_frac_trained and entropy_trained (metrics.jsonl) cover the forwarded rows, not every sample.
   [our choice] pi_old is the sampling policy as the trainer computes it (--ppo-epochs 1: ratio 1,
   pi_old = logp.detach()); vLLM's own log-probs only check the weight sync (logp_mismatch_*). A
   completion with A = 0 and no KL has no gradient: not forwarded (it still counts in the
@@ -73,7 +78,7 @@ def policy_loss(logp, old_logp, advantages, eps_low, eps_high, ref_logp=None, be
     loss, kl = -torch.min(unclipped, clipped), None  # [B, T]
     if beta > 0:
         log_ratio_ref = ref_logp - logp  # [B, T]
-        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3: unbiased and >= 0
+        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3 >= 0; gradient: KL(ref || pi)'s
         loss = loss + beta * kl
     return loss, (clipped < unclipped).float(), kl
 
@@ -134,7 +139,8 @@ def train_step(model, optimizer, batch, args, ref_model=None):
         # The gradient norm over all weights (clipped to --max-grad-norm; 0: only measured).
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                          args.max_grad_norm or float("inf")))
-        stats.update({key: sums[key] / sums["tokens"] for key in ("clip_frac", "kl", "entropy")},
+        stats.update(clip_frac_trained=sums["clip_frac"] / sums["tokens"],  # rows forwarded only
+                     entropy_trained=sums["entropy"] / sums["tokens"], kl=sums["kl"] / sums["tokens"],
                      loss=sums["loss"], grad_norm=grad_norm)
         if not (math.isfinite(sums["loss"]) and math.isfinite(grad_norm)):  # never apply NaN, inf
             optimizer.zero_grad(set_to_none=True)

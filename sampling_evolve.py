@@ -322,7 +322,7 @@ def policy_loss(logp, old_logp, advantages, eps_low, eps_high, ref_logp=None, be
     loss, kl = -torch.min(unclipped, clipped), None  # [B, T]
     if beta > 0:
         log_ratio_ref = ref_logp - logp  # [B, T]
-        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3: unbiased and >= 0
+        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3 >= 0; gradient: KL(ref || pi)'s
         loss = loss + beta * kl
     return loss, (clipped < unclipped).float(), kl
 
@@ -383,7 +383,8 @@ def train_step(model, optimizer, batch, args, ref_model=None):
         # The gradient norm over all weights (clipped to --max-grad-norm; 0: only measured).
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                          args.max_grad_norm or float("inf")))
-        stats.update({key: sums[key] / sums["tokens"] for key in ("clip_frac", "kl", "entropy")},
+        stats.update(clip_frac_trained=sums["clip_frac"] / sums["tokens"],  # rows forwarded only
+                     entropy_trained=sums["entropy"] / sums["tokens"], kl=sums["kl"] / sums["tokens"],
                      loss=sums["loss"], grad_norm=grad_norm)
         if not (math.isfinite(sums["loss"]) and math.isfinite(grad_norm)):  # never apply NaN, inf
             optimizer.zero_grad(set_to_none=True)

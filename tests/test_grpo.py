@@ -174,7 +174,7 @@ def test_one_training_run_end_to_end(tiny_model_dir, tmp_path):
     assert [r["step"] for r in lines] == [1, 2]
     assert sum(r["trained_sequences"] for r in lines) > 0
     for key in ("reward_mean", "frac_zero_std", "completion_len_mean", "truncated_frac", "tokens_sampled",
-                "step_seconds", "loss", "clip_frac", "entropy", "kl", "grad_norm"):
+                "step_seconds", "loss", "clip_frac_trained", "entropy_trained", "kl", "grad_norm"):
         assert key in lines[0]
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
     # the checkpoints load with plain transformers, and training changed the weights

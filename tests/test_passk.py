@@ -302,7 +302,7 @@ def test_one_training_step_end_to_end(tiny_model_dir, tmp_path):
 
 def test_problem_entropy(tiny_model_dir):
     model, tokenizer = grpo.load_model(tiny_model_dir, torch.float32, "cpu")
-    args = passk.parse_args(["--group-size", "2", "--k", "2", "--micro-batch", "3"])
+    args = passk.parse_args(["--group-size", "2", "--k", "1", "--micro-batch", "3"])
     prompts = [[5, 6, 7], [8, 9]]
     samples = [{"ids": ids} for ids in ([10, 11, 2], [12, 2], [13], [14, 15, 16])]  # P = 2, G = 2
     got = passk.problem_entropy(model, prompts, samples, args)
