@@ -27,7 +27,8 @@ Everything after the opening is ours [our choice]:
   * --mode search (search): on the held-out problems, round 0 (K samples of x per problem) is
     shared; then each round, for every problem an arm has not solved: evolve, --children children;
     independent, --children samples of x (the source's Pass@N); same tokens, samples of x until it
-    has spent evolution's tokens read + written. Reported: the share solved so far, and the cost.
+    has spent evolution's tokens read + written. Each arm draws from its own seeded stream
+    (seed_arm). Reported: the share solved so far, and the cost.
 
 --mode train (main) is GRPO (Group Relative Policy Optimization, grpo.py) with a rescue:
 For every prompt x, sample a group of G completions y_1..y_G from the current policy, score each
@@ -292,6 +293,13 @@ def same_tokens_top_up(sampler, tokenizer, problems, bare, arm, target, args):
         per_problem = max(1, int(samples_needed / len(todo)))
         sample_bare(sampler, tokenizer, problems, bare, arm, todo, per_problem, args)
 
+def seed_arm(seed, arm, round_):
+    """Before an arm's round: python's and torch's generators seeded from (--seed, arm, round), so
+    that no arm depends on which others run (HF generate; vLLM draws from its engine's stream)."""
+    derived = int(np.random.SeedSequence([seed, arm, round_]).generate_state(1)[0])
+    random.seed(derived)
+    torch.manual_seed(derived)  # CUDA's generators too
+
 def search(args):
     """--mode search (no training): on the held-out problems, the share solved after each round by
     the three arms of the docstring. Prints the table, writes summary.json and the trees."""
@@ -340,13 +348,16 @@ def search(args):
     for round_ in tqdm(range(args.rounds + 1), desc="search", dynamic_ncols=True):
         active = evolve.unsolved()
         if round_ > 0 and active:  # evolve: C children from E(x, S) per problem not solved
+            seed_arm(args.seed, 0, round_)
             read, written = evolve_round(sampler, tokenizer, [problems[i] for i in active],
                                          [dbs[i] for i in active], 0, round_, args)
             evolve.charge(C * len(active), read, written)
             evolve.solved = [solved(db) for db in dbs]
         if round_ > 0 and independent.unsolved():
+            seed_arm(args.seed, 1, round_)
             sample_bare(sampler, tokenizer, problems, bare, independent, independent.unsolved(),
                         C, args)
+        seed_arm(args.seed, 2, round_)
         same_tokens_top_up(sampler, tokenizer, problems, bare, same_tokens, evolve.spent(), args)
         row = {name: {**vars(arm), "solved": float(np.mean(arm.solved))}
                for name, arm in arms.items()}

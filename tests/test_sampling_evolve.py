@@ -339,6 +339,26 @@ def test_search_mode_table(tiny_model_dir, tmp_path, spy):
     assert not (tmp_path / "final").exists()  # no training, no checkpoint
 
 
+def test_search_arms_draw_from_their_own_streams(tiny_model_dir, tmp_path, monkeypatch):
+    """Issue 28, finding 8: an arm's samples do not depend on whether the other arms sample. With
+    evolution's rounds sampling nothing, the independent arm is the same to the token; with the
+    same-tokens arm sampling nothing, the evolve and independent arms are."""
+    flags = ["--mode", "search", "--eval-problems", "8", "--seed", "1"]
+    whole = se.main(tiny_run(tiny_model_dir, tmp_path / "whole", *flags))["rounds"]
+    with monkeypatch.context() as patch:  # evolution draws nothing: its rounds return at once
+        patch.setattr(se, "evolve_round", lambda *a: (0, 0))
+        no_evolve = se.main(tiny_run(tiny_model_dir, tmp_path / "no_evolve", *flags))["rounds"]
+    assert whole[-1]["evolve"]["tokens_written"] > whole[0]["evolve"]["tokens_written"]
+    assert [r["independent"] for r in no_evolve] == [r["independent"] for r in whole]
+    monkeypatch.setattr(se, "same_tokens_top_up", lambda *a: None)
+    no_top_up = se.main(tiny_run(tiny_model_dir, tmp_path / "no_top_up", *flags))["rounds"]
+    assert whole[-1]["independent_same_tokens"]["samples"] > whole[0]["evolve"]["samples"]
+    for arm in ("evolve", "independent"):
+        assert [r[arm] for r in no_top_up] == [r[arm] for r in whole], arm
+    trees = [(tmp_path / name / "evolution_trees.jsonl").read_text() for name in ("whole", "no_top_up")]
+    assert trees[0] == trees[1]
+
+
 def read_logs(folder):
     return [[{k: v for k, v in json.loads(line).items() if "seconds" not in k}
              for line in (folder / log).read_text().splitlines()]
