@@ -27,8 +27,8 @@ Everything after the opening is ours [our choice]:
   * --mode search (search): on the held-out problems, round 0 (K samples of x per problem) is
     shared; then each round, for every problem an arm has not solved: evolve, --children children;
     independent, --children samples of x (the source's Pass@N); same tokens, samples of x until it
-    has spent evolution's tokens read + written. Each arm draws from its own seeded stream
-    (seed_arm). Reported: the share solved so far, and the cost.
+    has spent evolution's tokens read + written, no more than the deficit pays for. Each arm draws
+    from its own seeded stream (seed_arm). Reported: the share solved so far, and the cost.
 
 --mode train (main) is GRPO (Group Relative Policy Optimization, grpo.py) with a rescue:
 For every prompt x, sample a group of G completions y_1..y_G from the current policy, score each
@@ -285,13 +285,14 @@ def sample_bare(sampler, tokenizer, problems, bare, arm, todo, n, args):
 
 def same_tokens_top_up(sampler, tokenizer, problems, bare, arm, target, args):
     """Samples of x for the problems the arm has not solved until it has spent (read + written)
-    `target`: the samples the deficit buys at its mean cost, shared, at least one each."""
+    `target`, evolution's spend: each pass buys what the deficit pays for at the arm's mean cost."""
     while arm.spent() < target and arm.unsolved():
         todo = arm.unsolved()
         tokens_per_sample = arm.spent() / arm.samples  # this arm's mean so far (read + written)
-        samples_needed = (target - arm.spent()) / tokens_per_sample
-        per_problem = max(1, int(samples_needed / len(todo)))
-        sample_bare(sampler, tokenizer, problems, bare, arm, todo, per_problem, args)
+        affordable = max(1, int((target - arm.spent()) / tokens_per_sample))  # samples, >= 1
+        if affordable < len(todo):  # not one each: one for each of that many, drawn at random
+            todo = sorted(random.sample(todo, affordable))
+        sample_bare(sampler, tokenizer, problems, bare, arm, todo, affordable // len(todo), args)
 
 def seed_arm(seed, arm, round_):
     """Before an arm's round: python's and torch's generators seeded from (--seed, arm, round), so

@@ -359,6 +359,30 @@ def test_search_arms_draw_from_their_own_streams(tiny_model_dir, tmp_path, monke
     assert trees[0] == trees[1]
 
 
+def test_same_tokens_arm_stops_at_the_deficit(tiny_model_dir, tmp_path, spy):
+    """Issue 28, finding 12: the same-tokens arm spends evolution's tokens and then stops: past them
+    by less than one sample's cost in every round (it once drew a sample for every unsolved problem
+    in its last pass). And a deficit smaller than one sample buys exactly one sample."""
+    summary = se.main(tiny_run(tiny_model_dir, tmp_path, "--mode", "search", "--eval-problems", "8",
+                               "--seed", "1"))
+    (first,) = [call for call in spy if call[1] == 4]
+    one_sample = max(map(len, first[0])) + 6  # the longest bare prompt + --max-new-tokens
+    spent = lambda arm: arm["tokens_read"] + arm["tokens_written"]  # noqa: E731
+    for row in summary["rounds"][1:]:
+        over = spent(row["independent_same_tokens"]) - spent(row["evolve"])
+        assert row["independent_same_tokens"]["solved"] == 1 or 0 <= over < one_sample, row
+    model, tokenizer = se.load_model(tiny_model_dir, torch.float32, "cpu")
+    sampler = se.Sampler("hf", model, tokenizer)
+    problems = [{"question": f"What is {i} - {i}?", "answer": "zero"} for i in range(8)]  # unsolvable
+    bare = [se.encode_prompt(tokenizer, p["question"]) for p in problems]
+    args = se.parse_args(["--max-new-tokens", "6"])
+    arm = se.Arm(solved=[False] * 8)
+    se.sample_bare(sampler, tokenizer, problems, bare, arm, range(8), 1, args)
+    start = (arm.samples, arm.spent())
+    se.same_tokens_top_up(sampler, tokenizer, problems, bare, arm, arm.spent() + 3, args)
+    assert arm.samples == start[0] + 1 and 3 <= arm.spent() - start[1] <= one_sample
+
+
 def read_logs(folder):
     return [[{k: v for k, v in json.loads(line).items() if "seconds" not in k}
              for line in (folder / log).read_text().splitlines()]
