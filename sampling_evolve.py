@@ -7,7 +7,7 @@ attempts form an evolution tree over rounds. Used two ways: a search (--mode sea
 and GRPO that rescues the groups in which no sample was right (--mode train, the default).
 
     round 0:  y ~ pi_theta(.|x)                          --group-size K independent attempts
-    round r:  y ~ pi_theta(.|E(x, S)), S = select(D_x)   --children a problem, for --rounds rounds
+    round r:  y ~ pi_theta(.|E(x, S)), S = select(D_x)   --children per problem, --rounds rounds
     D_x      <- D_x + {(y, a(y), r(y), f(y), parents, round)}   the problem's database (a: answer)
     f(y)      = "The final answer 21 is incorrect."      verifier.feedback (never the gold answer)
     E(x, S)   = x; each parent's attempt (its last --max-attempt-chars characters) and verdict f;
@@ -15,42 +15,46 @@ and GRPO that rescues the groups in which no sample was right (--mode train, the
                 answer format ("Answer with just the number.") is the last instruction
 
 Everything after the opening is ours [our choice]:
-  * select(D_x) (select_parents): up to --n-parents wrong attempts of the whole database (round 0
-    included): one for each distinct final answer first, the answers in random order, then the rest.
-    With a 0/1 reward every wrong attempt scores the same, so "best first" would only mean "latest
-    first"; distinct answers show what has been tried. --n-parents 0: the ruled-out list alone.
+  * select(D_x) (select_parents): up to --n-parents wrong attempts of all D_x (round 0 included),
+    one per distinct final answer first (the answers in random order), then the rest: with a 0/1
+    reward "best first" would only mean "latest first". --n-parents 0: the ruled-out list alone.
   * No prompt holds the gold answer: a problem stops evolving at its first right attempt, parents
-    and the ruled-out list are wrong attempts only, and the template's own text has no digit.
-  * A child that copies the prompt's labels ("Attempt:", "Verdict:", "Ruled out:") is cut where the
-    copy begins (drop_copied_scaffold): a number copied from a verdict is never scored nor trained.
-  * --mode search: on the held-out problems, the share solved (some attempt so far right) after each
-    round, against independent samples of the bare prompt x at the same number of samples (the
-    source's Pass@N) and at the same tokens read + written. Round 0 is shared; a solved problem gets
-    no more samples in an arm.
-  * --mode train: a group with no right sample is evolved (its G samples are round 0) for up to
-    --rounds rounds; up to --max-evolved right children replace wrong samples of the group (it keeps
-    G members) as answers to the BARE prompt: the row is x's chat-template ids, then the child's.
-    The databases of evolved problems are kept across steps (in run.state, so --resume keeps them):
-    a problem met again starts from its earlier wrong attempts. Then GRPO (grpo.py) on every group:
+    and the ruled-out list are wrong attempts only, the template's own text has no digit, and a
+    child that copies a prompt label ("Attempt:", "Verdict:", "Ruled out:") is cut there
+    (drop_copied_scaffold). But f(y) and the ruled-out list are made against the gold answer:
+    evolution has an oracle checker that independent sampling lacks, so the search's "solved" is
+    Pass@N with oracle feedback, not the accuracy of a method that could run without the gold.
+  * --mode search (search): on the held-out problems, round 0 (K samples of x per problem) is
+    shared; then each round, for every problem an arm has not solved: evolve, --children children;
+    independent, --children samples of x (the source's Pass@N); same tokens, samples of x until it
+    has spent evolution's tokens read + written, no more than the deficit pays for. Each arm draws
+    from its own seeded stream (seed_arm). Reported: the share solved so far, and the cost.
+
+--mode train (main) is GRPO (Group Relative Policy Optimization, grpo.py) with a rescue:
+For every prompt x, sample a group of G completions y_1..y_G from the current policy, score each
+with the verifier (reward r_i in {0, 1}) and push up the completions that beat their group:
 
     A_i = (r_i - mean(r)) / (std(r) + 1e-4)     --scale-rewards group (population std, ddof = 0)
     A_i =  r_i - mean(r)                        --scale-rewards none (Dr. GRPO)
 
-With G = 8 and one rescue, the rewards go from all 0 (A = 0: no gradient) to [1, 0 x 7]: A = [2.65,
--0.38 x 7]. What a rescued row is: y was sampled from pi_theta(.|E), not from pi_theta(.|x). The
-update takes it as the policy's own (pi_old = pi_theta(y|x) on the bare prompt: ratio 1 at
---ppo-epochs 1), without the importance weight pi_theta(y|x) / pi_theta(y|E), which is small for
-such rows: evolved_logp_gap_mean in metrics.jsonl is the mean over rescued rows of log pi_theta(y|x)
-- log pi_theta(y|E) (summed over y's tokens, at the sampling weights, before the update). So the
-update on a rescued row is in effect reward-weighted fine-tuning on an off-policy answer, not a
-policy gradient: it is what the rescue buys (a gradient where there was none), and its bias.
+Every token of y_i gets A_i. A group whose rewards are all equal has A = 0 and teaches nothing
+(frac_zero_std in metrics.jsonl); --filter-groups drops such groups (DAPO's dynamic sampling,
+without refilling the batch). Sources: DeepSeekMath (GRPO), DAPO (clip-higher, token-level loss,
+dynamic sampling), Dr. GRPO (no std, no length normalisation).
+The steps of main: (1) the groups, scored; (2) a group with no right sample is evolved, its G
+samples round 0 of this visit to D_x; (3) up to --rounds rounds while it has no right attempt
+(evolve_round); (4) up to --max-evolved right children replace wrong samples of the group
+(join_evolved; it keeps G members) as answers to the BARE prompt: the row is x's chat-template
+ids, then the child's; (5) A_i, then the update.
 
-Cost: a sample reads its prompt and writes its completion; an evolution prompt is several times as
-long as x. Per step and in the totals: tokens_read (each sample's prompt, once a sample, as HF
-generate reads it) and tokens_sampled (written: group samples and children; what --token-budget
-counts, as in every script), evolution's share in evolve_tokens_read and evolve_tokens_written.
-reward_mean, completion_len_mean and truncated_frac describe the group's own samples, before
-rescues: the rows of tokens_sampled - evolve_tokens_written. Search reports both for every arm.
+The databases persist across steps and --resume. A rescued y came from pi_theta(.|E), not from
+pi_theta(.|x), and is trained as the policy's own (ratio 1 at --ppo-epochs 1) without the weight
+pi_theta(y|x) / pi_theta(y|E) (evolved_logp_gap_mean: the mean of its log over rescued rows, before
+the update): in effect reward-weighted fine-tuning on an off-policy answer, a gradient where there
+was none (G = 8, one rescue: A = [2.65, -0.38 x 7]), and its bias. To carry the rescue into another
+GRPO trainer, copy the evolution section (Attempt to join_evolved) and steps (2)-(4) of main.
+tokens_read (each sample's prompt, once) is logged beside tokens_sampled (what --token-budget
+counts); reward_mean, completion_len_mean, truncated_frac: the groups' samples, before rescues.
 
 The update (policy_loss, aggregate_loss, train_step):
     rho_i,t = pi_theta(y_i,t | x, y_i,<t) / pi_old(y_i,t | x, y_i,<t)
@@ -71,6 +75,7 @@ Run:
     python tests/bench_sampling_evolve.py               # search over seeds; variants that lost
 """
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -98,7 +103,7 @@ def parse_args(argv=None):
     add("--mode", default="train", choices=["train", "search"],
         help="train: GRPO that rescues all-wrong groups; search: held-out, vs independent samples")
     add("--rounds", type=bounded(int, 0), default=2, help="evolution rounds after round 0")
-    add("--children", type=bounded(int, 1), default=4, help="attempts a problem in a round")
+    add("--children", type=bounded(int, 1), default=4, help="attempts per problem in a round")
     add("--n-parents", type=bounded(int, 0), default=3, help="earlier attempts a prompt shows")
     add("--max-attempt-chars", type=bounded(int, 1), default=200,
         help="an attempt is shown by its last N characters (where its final answer is)")
@@ -130,30 +135,44 @@ HEADER = "Earlier attempts at this problem, each with a checker's verdict:"
 INSTRUCTION = "Try again, with an answer that is not ruled out. {question}"
 LABELS = re.compile(r"Attempt:|Verdict:|Ruled out:")  # a child copying these is cut there
 
-def add_node(db, text, gold, ids, truncated, prompt, step, round_, parents):
-    """One attempt into a problem's database (a list; a node's id is its index)."""
-    answer = verifier.extract_answer(text)
-    db.append({"id": len(db), "step": step, "round": round_, "parents": parents, "text": text,
-               "answer": answer, "reward": verifier.reward(text, gold), "truncated": truncated,
-               "feedback": verifier.feedback(text, gold) if answer else "No final answer found.",
-               "ids": ids, "prompt": prompt})  # ids and prompt: for the step's training only
+@dataclasses.dataclass
+class Attempt:
+    """One attempt y in a problem's database D_x: a node of its evolution tree."""
+    id: int  # its index in D_x
+    step: int  # the training step that sampled it (0 in search)
+    round: int  # 0: a sample of the bare prompt x; r > 0: a child of evolution round r
+    parents: list  # the ids of the attempts its prompt showed (S)
+    text: str  # y, decoded
+    answer: str | None  # a(y), its final answer (None: none found)
+    reward: float  # r(y), against the gold answer
+    truncated: bool  # no stop id, or cut where it copied a prompt label
+    feedback: str  # f(y), the verdict later prompts show: made against the gold answer
+    ids: list | None  # y's token ids, for this step's training only (None after the step)
+    prompt: list | None  # the ids of the prompt y was sampled from (x or E(x, S)), the same
+
+def add_attempt(db, text, gold, ids, truncated, prompt, step, round_, parents):
+    """D_x <- D_x + {(y, a(y), r(y), f(y), parents, round)}: one scored attempt into db."""
+    answer = verifier.extract_answer(text)  # a(y)
+    feedback = verifier.feedback(text, gold) if answer else "No final answer found."  # f(y)
+    db.append(Attempt(len(db), step, round_, parents, text, answer, verifier.reward(text, gold),
+                      truncated, feedback, ids, prompt))
 
 def solved(db, since=0):
-    """Whether an attempt from node `since` on is right."""
-    return any(node["reward"] >= 1 for node in db[since:])
+    """Whether an attempt from attempt `since` on is right."""
+    return any(attempt.reward >= 1 for attempt in db[since:])
 
 def select_parents(db, n_parents):
-    """Up to n_parents wrong attempts: one for each distinct final answer first (the answers in
-    random order, each by its latest attempt), then the other wrong attempts, latest first."""
-    wrong = [node for node in reversed(db) if node["reward"] < 1]  # latest first
-    firsts = list({node["answer"]: node for node in reversed(wrong)}.values())  # latest of each
+    """S = select(D_x): up to n_parents wrong attempts: one for each distinct final answer first
+    (the answers in random order, each by its latest attempt), then the others, latest first."""
+    wrong = [attempt for attempt in reversed(db) if attempt.reward < 1]  # latest first
+    firsts = list({a.answer: a for a in reversed(wrong)}.values())  # a later one overwrites
     random.shuffle(firsts)
-    chosen = {node["id"] for node in firsts}
-    return (firsts + [node for node in wrong if node["id"] not in chosen])[:n_parents]
+    chosen = {attempt.id for attempt in firsts}
+    return (firsts + [attempt for attempt in wrong if attempt.id not in chosen])[:n_parents]
 
 def ruled_out(db):
     """Every distinct wrong final answer in the database, in the order first tried."""
-    return list(dict.fromkeys(n["answer"] for n in db if n["reward"] < 1 and n["answer"]))
+    return list(dict.fromkeys(a.answer for a in db if a.reward < 1 and a.answer))
 
 def shown_attempt(text, max_chars):
     """An attempt as a prompt shows it: its last max_chars characters (the final answer's end)."""
@@ -162,18 +181,18 @@ def shown_attempt(text, max_chars):
 
 def render_evolution_prompt(question, parents, ruled, max_attempt_chars):
     """E(x, S), the user message: x, the parents with their verdicts, the ruled-out answers, x again
-    (its own answer format last). Nothing here knows the gold answer."""
-    parts = [question] + (["", HEADER] if parents else [])
-    for node in parents:
-        parts += ["", "Attempt:", shown_attempt(node["text"], max_attempt_chars),
-                  f"Verdict: {node['feedback']}"]
+    (its own answer format last). Nothing here reads the gold answer (the verdicts did)."""
+    parts = [question] + (["", HEADER] if parents else [])  # the header only above attempts
+    for attempt in parents:
+        parts += ["", "Attempt:", shown_attempt(attempt.text, max_attempt_chars),
+                  f"Verdict: {attempt.feedback}"]
     if ruled:
         parts += ["", "Ruled out: " + ", ".join(answer[:50] for answer in ruled) + "."]
     return "\n".join(parts + ["", INSTRUCTION.format(question=question)])
 
 def evolution_prompt(tokenizer, question, db, args):
     """(chat-template ids of E(x, S), the parents S)."""
-    parents = select_parents(db, args.n_parents)
+    parents = select_parents(db, args.n_parents)  # S = select(D_x)
     text = render_evolution_prompt(question, parents, ruled_out(db), args.max_attempt_chars)
     return encode_prompt(tokenizer, text, args.system_prompt, args.chat_template_kwargs), parents
 
@@ -181,38 +200,44 @@ def drop_copied_scaffold(tokenizer, ids):
     """(ids, text, cut): a child up to the first prompt label it copies, so that a number copied
     from a verdict or from the ruled-out list is never scored nor trained."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
-    if not (copied := LABELS.search(text)):
+    copied = LABELS.search(text)
+    if copied is None:
         return ids, text, False
-    while len(text) > copied.start():  # the tokens up to where the copy begins
+    while len(text) > copied.start():  # drop tokens until the text ends where the copy begins
         ids = ids[:-1]
         text = tokenizer.decode(ids, skip_special_tokens=True)
     return ids, text, True
 
-def evolve_round(sampler, tokenizer, problems, dbs, active, step, round_, args):
-    """One round for the problems `active` (keys of problems and dbs): --children attempts each from
-    its evolution prompt (one generate call), scored and stored. Returns (tokens read, written)."""
-    prompts, parents = zip(*(evolution_prompt(tokenizer, problems[i]["question"], dbs[i], args)
-                             for i in active))
+def evolve_round(sampler, tokenizer, problems, dbs, step, round_, args):
+    """Round r for these problems (dbs[j]: D_x of problems[j]): --children attempts each from its
+    evolution prompt, in one generate call, scored and stored. Returns (tokens read, written)."""
+    built = [evolution_prompt(tokenizer, p["question"], db, args) for p, db in zip(problems, dbs)]
+    prompts = [prompt for prompt, _ in built]  # E(x, S) of each problem, chat-template ids
+    parents = [shown for _, shown in built]  # S of each problem
     C = args.children
-    children = sampler.generate(list(prompts), C, args.max_new_tokens, args.temperature)  # [A * C]
+    # round r: y ~ pi_theta(.|E(x, S)), C children per prompt in the prompts' order
+    children = sampler.generate(prompts, C, args.max_new_tokens, args.temperature)  # [A * C]
     for k, child in enumerate(children):
-        i, j = active[k // C], k // C
+        j = k // C  # the problem this child answers
         ids, text, cut = drop_copied_scaffold(tokenizer, child["ids"])
-        add_node(dbs[i], text, problems[i]["answer"], ids, child["truncated"] or cut, prompts[j],
-                 step, round_, [node["id"] for node in parents[j]])
+        add_attempt(dbs[j], text, problems[j]["answer"], ids, child["truncated"] or cut,
+                    prompts[j], step, round_, [attempt.id for attempt in parents[j]])
     return C * sum(map(len, prompts)), sum(len(child["ids"]) for child in children)
 
-def join_evolved(samples, rewards, db, since, group, group_size, max_evolved):
-    """Train: up to max_evolved right children (db's nodes from `since` on) replace the last samples
-    of group `group` (all wrong), in samples and rewards [P * G]. Only the child's ids go in: the
-    row trained is the BARE prompt's ids + these. Returns [(row, node)]."""
-    right = [node for node in db[since:] if node["round"] > 0 and node["reward"] >= 1]
-    rescues = [(group * group_size + group_size - 1 - j, node)
-               for j, node in enumerate(right[:max_evolved])]
-    for row, node in rescues:  # vLLM's log-probs were under E: the step skips its sync check
-        samples[row] = dict(ids=node["ids"], truncated=node["truncated"], sampler_logprobs=None)
-        rewards[row] = node["reward"]
-    return rescues
+def join_evolved(samples, rewards, groups, dbs, since, group_size, max_evolved):
+    """Train: new (samples, rewards [P * G], rescues [(row, child)]): up to max_evolved right
+    children of this visit (dbs[j] from since[j] on) in place of the last samples of group
+    groups[j]. Only the child's ids go in: the row trained is the BARE prompt's ids + these."""
+    samples, rewards = list(samples), rewards.clone()  # copies: the arguments stay as they were
+    rescues = []
+    for group, db, first in zip(groups, dbs, since):
+        right = [attempt for attempt in db[first:] if attempt.round > 0 and attempt.reward >= 1]
+        last_row = group * group_size + group_size - 1
+        rescues += [(last_row - j, child) for j, child in enumerate(right[:max_evolved])]
+    for row, child in rescues:  # vLLM's log-probs were under E: the step skips its sync check
+        samples[row] = {"ids": child.ids, "truncated": child.truncated, "sampler_logprobs": None}
+        rewards[row] = child.reward
+    return samples, rewards, rescues
 
 @torch.no_grad()
 def sequence_logprobs(model, prompts, completions, args):
@@ -223,91 +248,129 @@ def sequence_logprobs(model, prompts, completions, args):
     return (logp.cpu() * mask).sum(dim=1)  # [B]
 
 def tree_line(problem, db, **extra):
-    """A problem's evolution tree as one JSON line (the nodes without their ids)."""
-    nodes = [{k: v for k, v in node.items() if k not in ("ids", "prompt")} for node in db]
+    """A problem's evolution tree as one JSON line (the attempts without their ids)."""
+    nodes = [{k: v for k, v in vars(a).items() if k not in ("ids", "prompt")} for a in db]
     return json.dumps({"question": problem["question"], "answer": problem["answer"], **extra,
                        "nodes": nodes}) + "\n"
 
+# ------------------------------------------------------------------------ the method: search
+# Evolve's verdicts and ruled-out list are made against the gold answer, the independent arms
+# get none: evolve's "solved" is Pass@N with an oracle checker, not a deployable accuracy.
+@dataclasses.dataclass
+class Arm:
+    """One arm of the search, so far (cumulative over rounds)."""
+    solved: list  # [N] bools: some attempt of this arm at problem i was right
+    samples: int = 0  # attempts sampled, all problems together
+    tokens_read: int = 0  # prompt tokens read: each sample reads its prompt once
+    tokens_written: int = 0  # completion tokens written
+    def spent(self):
+        return self.tokens_read + self.tokens_written
+    def unsolved(self):
+        return [i for i, done in enumerate(self.solved) if not done]
+    def charge(self, samples, tokens_read, tokens_written):
+        self.samples += samples
+        self.tokens_read += tokens_read
+        self.tokens_written += tokens_written
+
+def sample_bare(sampler, tokenizer, problems, bare, arm, todo, n, args):
+    """n samples y ~ pi_theta(.|x) per problem in todo, scored, charged: (samples, texts)."""
+    prompts = [bare[i] for i in todo]
+    samples = sampler.generate(prompts, n, args.max_new_tokens, args.temperature)  # [len(todo) * n]
+    texts = tokenizer.batch_decode([s["ids"] for s in samples], skip_special_tokens=True)
+    for k, text in enumerate(texts):
+        i = todo[k // n]  # the problem this sample answers
+        arm.solved[i] |= verifier.reward(text, problems[i]["answer"]) >= 1
+    arm.charge(len(samples), n * sum(map(len, prompts)), sum(len(s["ids"]) for s in samples))
+    return samples, texts
+
+def same_tokens_top_up(sampler, tokenizer, problems, bare, arm, target, args):
+    """Samples of x for the problems the arm has not solved until it has spent (read + written)
+    `target`, evolution's spend: each pass buys what the deficit pays for at the arm's mean cost."""
+    while arm.spent() < target and arm.unsolved():
+        todo = arm.unsolved()
+        tokens_per_sample = arm.spent() / arm.samples  # this arm's mean so far (read + written)
+        affordable = max(1, int((target - arm.spent()) / tokens_per_sample))  # samples, >= 1
+        if affordable < len(todo):  # not one each: one for each of that many, drawn at random
+            todo = sorted(random.sample(todo, affordable))
+        sample_bare(sampler, tokenizer, problems, bare, arm, todo, affordable // len(todo), args)
+
+def seed_arm(seed, arm, round_):
+    """Before an arm's round: python's and torch's generators seeded from (--seed, arm, round), so
+    that no arm depends on which others run (HF generate; vLLM draws from its engine's stream)."""
+    derived = int(np.random.SeedSequence([seed, arm, round_]).generate_state(1)[0])
+    random.seed(derived)
+    torch.manual_seed(derived)  # CUDA's generators too
+
 def search(args):
     """--mode search (no training): on the held-out problems, the share solved after each round by
-    evolution, by independent samples of the bare prompt at the same samples a problem, and by them
-    at the same tokens read + written. Prints the table, writes summary.json and the trees."""
+    the three arms of the docstring. Prints the table, writes summary.json and the trees."""
     check_args(args, "sampling_evolve")
-    training, defaults = argparse.ArgumentParser(), vars(parse_args([]))
+    training = argparse.ArgumentParser()  # a training flag the user changed does nothing here
     add_training_args(training)
+    defaults = vars(parse_args([]))
     ignored = [f"--{k.replace('_', '-')}" for k in [*vars(training.parse_args([])), "max_evolved"]
-               if getattr(args, k) != defaults[k] and k != "group_size"]  # K of round 0
+               if getattr(args, k) != defaults[k] and k != "group_size"]  # K of round 0: used
     if ignored:
         print(f"warning: {', '.join(ignored)}: --mode train only, ignored", file=sys.stderr)
-    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
+    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)  # as Run
     try:
         problems = verifier.load_problems(
             args.eval_dataset or args.dataset, "test", None, args.seed,
             question_field=args.question_field, answer_field=args.answer_field)[:args.eval_problems]
     except (ValueError, OSError) as err:
         die(str(err))
-    dtype, start = getattr(torch, args.dtype), time.time()
+    start = time.time()
+    dtype = getattr(torch, args.dtype)
     engine = create_vllm_engine(args.model, args, dtype) if args.backend == "vllm" else None
     if engine:  # the engine holds the weights: only the tokenizer here
         from transformers import AutoTokenizer
-        model, tokenizer = None, AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+        model = None
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
     else:  # nothing is trained: the weights may be held in the compute precision
-        model, tokenizer = load_model(args.model, dtype, "cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model, tokenizer = load_model(args.model, dtype, device)
     check_chat_template(tokenizer, args)
     sampler = Sampler(args.backend, model, tokenizer, engine, dtype)
     bare = [encode_prompt(tokenizer, p["question"], args.system_prompt, args.chat_template_kwargs)
             for p in problems]
-    K, C, N, dbs, table = args.group_size, args.children, len(problems), [[] for _ in problems], []
-
-    def charge(arm, samples, read, written):  # an arm's samples, tokens read and tokens written
-        arm.update(samples=arm["samples"] + samples, tokens_read=arm["tokens_read"] + read,
-                   tokens_written=arm["tokens_written"] + written)
-
-    def independent(arm, todo, n):  # n samples of the bare prompt for each problem in todo
-        samples = sampler.generate([bare[i] for i in todo], n, args.max_new_tokens,
-                                   args.temperature)
-        texts = tokenizer.batch_decode([s["ids"] for s in samples], skip_special_tokens=True)
-        for k, text in enumerate(texts):
-            i = todo[k // n]
-            arm["solved"][i] |= verifier.reward(text, problems[i]["answer"]) >= 1
-        charge(arm, len(samples), n * sum(len(bare[i]) for i in todo),
-               sum(len(s["ids"]) for s in samples))
-        return samples, texts
-
-    evolve = {"solved": [False] * N, "samples": 0, "tokens_read": 0, "tokens_written": 0}
-    first, texts = independent(evolve, list(range(N)), K)  # round 0, shared by every arm
-    for k, (sample, text) in enumerate(zip(first, texts)):  # the roots of the evolution trees
-        add_node(dbs[k // K], text, problems[k // K]["answer"], sample["ids"], sample["truncated"],
-                 bare[k // K], 0, 0, [])
-    same_samples, same_tokens = ({**evolve, "solved": list(evolve["solved"])} for _ in range(2))
-    spent = lambda arm: arm["tokens_read"] + arm["tokens_written"]  # noqa: E731
+    K, C = args.group_size, args.children
+    dbs = [[] for _ in problems]  # D_x of each problem
+    evolve = Arm(solved=[False] * len(problems))
+    # round 0: K samples y ~ pi_theta(.|x) per problem, shared by every arm: the trees' roots
+    first, texts = sample_bare(sampler, tokenizer, problems, bare, evolve, range(len(problems)),
+                               K, args)
+    for k, (sample, text) in enumerate(zip(first, texts)):
+        add_attempt(dbs[k // K], text, problems[k // K]["answer"], sample["ids"],
+                    sample["truncated"], bare[k // K], 0, 0, [])
+    independent = dataclasses.replace(evolve, solved=list(evolve.solved))
+    same_tokens = dataclasses.replace(evolve, solved=list(evolve.solved))
+    arms = {"evolve": evolve, "independent": independent, "independent_same_tokens": same_tokens}
+    table = []
     for round_ in tqdm(range(args.rounds + 1), desc="search", dynamic_ncols=True):
-        if round_ and (active := [i for i in range(N) if not evolve["solved"][i]]):
-            charge(evolve, C * len(active), *evolve_round(sampler, tokenizer, problems, dbs, active,
-                                                          0, round_, args))
-            evolve["solved"] = [solved(db) for db in dbs]
-        if round_ and (todo := [i for i in range(N) if not same_samples["solved"][i]]):
-            independent(same_samples, todo, C)
-        while spent(same_tokens) < spent(evolve) and (
-                todo := [i for i in range(N) if not same_tokens["solved"][i]]):
-            per_sample = spent(same_tokens) / same_tokens["samples"]
-            independent(same_tokens, todo, max(1, int((spent(evolve) - spent(same_tokens))
-                                                      / per_sample / len(todo))))
-        table.append({"round": round_, "samples_per_problem": K + C * round_, **{
-            name: {"solved": float(np.mean(arm["solved"])), "samples": arm["samples"],
-                   "tokens_read": arm["tokens_read"], "tokens_written": arm["tokens_written"]}
-            for name, arm in (("evolve", evolve), ("independent", same_samples),
-                              ("independent_same_tokens", same_tokens))}})
-        print(f"round {round_} ({K + C * round_} samples a problem), solved: " + ", ".join(
+        active = evolve.unsolved()
+        if round_ > 0 and active:  # evolve: C children from E(x, S) per problem not solved
+            seed_arm(args.seed, 0, round_)
+            read, written = evolve_round(sampler, tokenizer, [problems[i] for i in active],
+                                         [dbs[i] for i in active], 0, round_, args)
+            evolve.charge(C * len(active), read, written)
+            evolve.solved = [solved(db) for db in dbs]
+        if round_ > 0 and independent.unsolved():
+            seed_arm(args.seed, 1, round_)
+            sample_bare(sampler, tokenizer, problems, bare, independent, independent.unsolved(),
+                        C, args)
+        seed_arm(args.seed, 2, round_)
+        same_tokens_top_up(sampler, tokenizer, problems, bare, same_tokens, evolve.spent(), args)
+        row = {name: {**vars(arm), "solved": float(np.mean(arm.solved))}
+               for name, arm in arms.items()}
+        table.append({"round": round_, "samples_per_problem": K + C * round_, **row})
+        print(f"round {round_} ({K + C * round_} samples per problem), solved: " + ", ".join(
             f"{name} {arm['solved']:.3f} ({arm['tokens_read']} tokens read, "
-            f"{arm['tokens_written']} written)" for name, arm in table[-1].items()
-            if isinstance(arm, dict)))
-    os.makedirs(args.output_dir, exist_ok=True)
+            f"{arm['tokens_written']} written)" for name, arm in row.items()))
     with open(os.path.join(args.output_dir, "evolution_trees.jsonl"), "w") as f:
         f.writelines(tree_line(problem, db) for problem, db in zip(problems, dbs))
-    summary = {"mode": "search", "rounds": table, "problems": N, "seconds": time.time() - start,
-               "model": args.model, "backend": args.backend, "compute_dtype": args.dtype,
-               "args": vars(args)}
+    summary = {"mode": "search", "rounds": table, "problems": len(problems),
+               "seconds": time.time() - start, "model": args.model, "backend": args.backend,
+               "compute_dtype": args.dtype, "args": vars(args)}
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
@@ -403,40 +466,49 @@ def main(argv=None):
     if args.mode == "search":
         return search(args)
     run, G = Run(args), args.group_size  # Run (below): data, policy, sampler, optimizer, logs
-    databases = run.state.setdefault("databases", {})  # question -> its attempts, across steps
+    databases = run.state.setdefault("databases", {})  # question -> its D_x, across steps
     trees = open_log(os.path.join(args.output_dir, "evolution_trees.jsonl"),
                      run.state["step"] if args.resume else None)
     for step, problems, prompts in run.steps():
+        # (1) y_1..y_G ~ pi_theta(.|x) for each prompt, scored: as grpo.py
         samples = run.sampler.generate(prompts, G, args.max_new_tokens, args.temperature)  # P * G
         texts = run.tokenizer.batch_decode([s["ids"] for s in samples], skip_special_tokens=True)
         golds = [p["answer"] for p in problems for _ in range(G)]
         rewards = torch.tensor([verifier.reward(t, g) for t, g in zip(texts, golds)])  # [P * G]
         lengths = [len(s["ids"]) for s in samples]  # pi_theta(.|x)'s own samples, before rescues
-        truncated, reward_mean = [s["truncated"] for s in samples], rewards.mean().item()
+        truncated = [s["truncated"] for s in samples]
+        reward_mean = rewards.mean().item()
+        # (2) each all-wrong group is evolved: its G samples are this visit's round 0 of D_x
         all_wrong = [p for p in range(len(problems)) if rewards[p * G: (p + 1) * G].max() == 0]
-        dbs = {p: databases.setdefault(problems[p]["question"], []) for p in all_wrong}
-        since = {p: len(db) for p, db in dbs.items()}  # this visit's nodes start here
-        for p in all_wrong:  # its G samples are this visit's round 0
+        dbs = [databases.setdefault(problems[p]["question"], []) for p in all_wrong]
+        since = [len(db) for db in dbs]  # where this visit's attempts start in each D_x
+        for p, db in zip(all_wrong, dbs):
             for k in range(p * G, (p + 1) * G):
-                add_node(dbs[p], texts[k], golds[k], samples[k]["ids"], samples[k]["truncated"],
-                         prompts[p], step, 0, [])
+                add_attempt(db, texts[k], golds[k], samples[k]["ids"], samples[k]["truncated"],
+                            prompts[p], step, 0, [])
+        # (3) rounds r = 1..R for the evolved groups still without a right attempt
         evolve_read = evolve_written = 0  # tokens
         for round_ in range(1, args.rounds + 1):
-            if not (active := [p for p in all_wrong if not solved(dbs[p], since[p])]):
+            active = [j for j, db in enumerate(dbs) if not solved(db, since[j])]
+            if not active:
                 break
-            read, written = evolve_round(run.sampler, run.tokenizer, problems, dbs, active, step,
-                                         round_, args)
-            evolve_read, evolve_written = evolve_read + read, evolve_written + written
-        rescues = [rescue for p in all_wrong for rescue in join_evolved(
-            samples, rewards, dbs[p], since[p], p, G, args.max_evolved)]
+            read, written = evolve_round(run.sampler, run.tokenizer,
+                                         [problems[all_wrong[j]] for j in active],
+                                         [dbs[j] for j in active], step, round_, args)
+            evolve_read += read
+            evolve_written += written
+        # (4) right children replace wrong samples, as answers to the bare prompt x
+        samples, rewards, rescues = join_evolved(samples, rewards, all_wrong, dbs, since, G,
+                                                 args.max_evolved)  # rescues: [(row, child)]
         off_policy = {}
         if rescues:  # how far off-policy a rescued row is for the bare prompt, before the update
-            rows, nodes = zip(*rescues)
-            ids = [node["ids"] for node in nodes]
-            gap = (sequence_logprobs(run.model, [prompts[row // G] for row in rows], ids, args)
-                   - sequence_logprobs(run.model, [node["prompt"] for node in nodes], ids, args))
-            off_policy["evolved_logp_gap_mean"] = gap.mean().item()
-        advantages = group_advantages(rewards, G, args.scale_rewards)  # [P * G], after rescues
+            ids = [child.ids for _, child in rescues]
+            bare = [prompts[row // G] for row, _ in rescues]
+            on_x = sequence_logprobs(run.model, bare, ids, args)  # log pi_theta(y|x) [R]
+            on_e = sequence_logprobs(run.model, [c.prompt for _, c in rescues], ids, args)  # (y|E)
+            off_policy["evolved_logp_gap_mean"] = (on_x - on_e).mean().item()
+        # (5) GRPO on every group: A_i = (r_i - mean(r)) / (std(r) + 1e-4), after the rescues
+        advantages = group_advantages(rewards, G, args.scale_rewards)  # [P * G]
         zero_std = rewards.view(-1, G).std(dim=1) == 0  # [P]
         rows = [i for i in range(len(samples)) if not (args.filter_groups and zero_std[i // G])]
         stats = run.update([prompts[i // G] for i in rows], [samples[i] for i in rows],
@@ -446,16 +518,16 @@ def main(argv=None):
                   "completion_len_mean": float(np.mean(lengths)),
                   "truncated_frac": float(np.mean(truncated)), **stats, **off_policy,
                   "reward_mean_after_rescue": rewards.mean().item()}
-        for p in all_wrong:  # the tree; then the database keeps no ids (what later steps read)
-            trees.write(tree_line(problems[p], dbs[p], step=step))
-            for node in dbs[p]:
-                node.update(ids=None, prompt=None)
+        for p, db in zip(all_wrong, dbs):  # the tree; then D_x keeps no ids (later steps read it)
+            trees.write(tree_line(problems[p], db, step=step))
+            for attempt in db:
+                attempt.ids = attempt.prompt = None
         trees.flush()
         if run.end_step(step, record, tokens_sampled=sum(lengths) + evolve_written,  # the budget's
                         tokens_read=G * sum(map(len, prompts)) + evolve_read,
                         evolve_tokens_read=evolve_read, evolve_tokens_written=evolve_written,
                         all_wrong_groups=len(all_wrong), evolved_trained=len(rescues),
-                        rescued_groups=sum(solved(dbs[p], since[p]) for p in all_wrong)):
+                        rescued_groups=sum(solved(db, s) for db, s in zip(dbs, since))):
             break  # --token-budget spent
     trees.close()
     return run.finish()

@@ -41,12 +41,12 @@ SCRIPT = {name: getattr(se, name) for name in ("evolution_prompt", "drop_copied_
 def latest_parents(db, n_parents):
     """The earlier choice: the best reward first (the latest among ties), then the latest failures,
     skipping one whose final answer was already picked."""
-    best = max(db, key=lambda node: (node["reward"], node["id"]))
-    picked, answers = [best], {best["answer"]}
+    best = max(db, key=lambda node: (node.reward, node.id))
+    picked, answers = [best], {best.answer}
     for node in reversed(db):
-        if len(picked) < n_parents and node["reward"] < 1 and node["answer"] not in answers:
+        if len(picked) < n_parents and node.reward < 1 and node.answer not in answers:
             picked.append(node)
-            answers.add(node["answer"])
+            answers.add(node.answer)
     return picked[:n_parents]
 
 
@@ -54,8 +54,8 @@ def old_prompt(tokenizer, question, db, args):
     parents = latest_parents(db, args.n_parents)
     parts = [question, "", se.HEADER]
     for node in parents:
-        parts += ["", "Attempt:", se.shown_attempt(node["text"], args.max_attempt_chars),
-                  f"Verdict: {node['feedback']}"]
+        parts += ["", "Attempt:", se.shown_attempt(node.text, args.max_attempt_chars),
+                  f"Verdict: {node.feedback}"]
     parts += ["", "Write a new, improved solution. Do not repeat an answer marked incorrect. "
                   f"The problem again: {question}"]
     return se.encode_prompt(tokenizer, "\n".join(parts), args.system_prompt), parents
@@ -67,8 +67,8 @@ def chat_prompt(tokenizer, question, db, args):
     messages.append({"role": "user", "content": question})
     for node in reversed(parents):  # a conversation runs oldest first
         messages += [{"role": "assistant",
-                      "content": se.shown_attempt(node["text"], args.max_attempt_chars)},
-                     {"role": "user", "content": f"{node['feedback']} Try again."}]
+                      "content": se.shown_attempt(node.text, args.max_attempt_chars)},
+                     {"role": "user", "content": f"{node.feedback} Try again."}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"], parents
 

@@ -24,7 +24,8 @@ same solver samples a problem (RSE: R rounds x K; SamplingEvolve: K first sample
 each of R - 1 rounds, with K = C) at the same temperature, with top-p and top-k off for both. Each carries
 its own plain-sampling baseline of the same sample count (SamplingEvolve also one of the same tokens read
 + written). Per round: solved so far, and tokens read and written so far, for every method and baseline
-(RSE's include its distiller's prompts and replies).
+(RSE's include its distiller's prompts and replies up to the bank the round read: round r's distillation
+builds round r + 1's bank, so it counts from row r + 1 on).
 
 Writes <output-dir>/compare.json (everything), compare.md (the tables), and with --plot train.png and
 search.png; each run's own output is under <output-dir>/<method>/.
@@ -132,19 +133,24 @@ def training_row(name, summary, measured, metrics, prompts_per_step):
 
 def search_rows(rse, evolve):
     """Per round: samples a problem so far; for both methods and their baselines the cumulative solved rate and
-    tokens read and written so far. RSE's summary counts each round's tokens (solver, and its distiller's, which
-    builds the next round's bank; its baseline: solver only, round 0 shared), summed here; SamplingEvolve's arms
-    are cumulative already (round 0 shared by every arm)."""
+    tokens read and written so far. RSE's summary counts each round's tokens: its solver's, and its distiller's,
+    which builds the NEXT round's bank, so row r sums the solver of rounds 0..r and the distiller of rounds
+    0..r - 1 (what was spent to reach row r's solved); its round 0 draws --first-round-samples (K_0), later
+    rounds --samples-per-round (K). Its baseline: solver only, round 0 shared. SamplingEvolve's arms are
+    cumulative already (round 0 shared by every arm)."""
     rows = []
     so_far = lambda rounds, keys: sum(x[key] for x in rounds for key in keys)  # noqa: E731
+    first_round = rse["args"].get("first_round_samples") or rse["samples_per_round"]  # K_0
     for r, rse_row in enumerate(rse["rounds"]):
         evo, baseline = evolve["rounds"][r], rse["baseline"][: r + 1]
-        row = {"round": r, "samples_per_problem": (r + 1) * rse["samples_per_round"],
+        solver, distilled = rse["rounds"][: r + 1], rse["rounds"][:r]  # distillation of round r: for r + 1
+        row = {"round": r, "samples_per_problem": first_round + r * rse["samples_per_round"],
                "evolve_samples_per_problem": evo["samples_per_problem"],
                "rse_pass@1": rse_row["pass@1"], "rse_baseline_pass@1": baseline[r]["pass@1"] if baseline else None,
                "rse_solved": rse_row["solved_cumulative"],
-               "rse_tokens_read": so_far(rse["rounds"][: r + 1], ("solver_prompt_tokens", "distill_prompt_tokens")),
-               "rse_tokens_written": so_far(rse["rounds"][: r + 1], ("solver_tokens", "distill_tokens")),
+               "rse_tokens_read": so_far(solver, ("solver_prompt_tokens",))
+               + so_far(distilled, ("distill_prompt_tokens",)),
+               "rse_tokens_written": so_far(solver, ("solver_tokens",)) + so_far(distilled, ("distill_tokens",)),
                "rse_baseline_solved": baseline[r]["solved_cumulative"] if baseline else None,
                "rse_baseline_tokens_read": so_far(baseline, ("solver_prompt_tokens",)) if baseline else None,
                "rse_baseline_tokens_written": so_far(baseline, ("solver_tokens",)) if baseline else None}
@@ -202,7 +208,8 @@ def tables_markdown(train, search, search_meta):
                      f"SamplingEvolve {search_meta['evolve_wall'] / 60:.1f} min "
                      f"(peak RSS {search_meta['evolve_rss']:.2f} GB). Solved and tokens are so far (cumulative); "
                      f"a token read is a prompt token read by one sample; RSE's tokens include its distiller's "
-                     f"prompts and replies; round 0 is shared by each method and its baselines.")
+                     f"prompts and replies for the banks read so far (round r's distillation counts from "
+                     f"row r + 1); round 0 is shared by each method and its baselines.")
     return "\n".join(lines) + "\n"
 
 

@@ -71,6 +71,27 @@ def test_plot_writes_pngs_or_says_how_to_get_matplotlib(tmp_path, capsys):
         assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
 
 
+def test_search_rows_count_each_distillation_in_the_round_that_reads_its_bank():
+    """Issue 28, finding 15: round r's distillation builds round r + 1's bank, so row r holds the solver tokens
+    of rounds 0..r and the distiller tokens of rounds 0..r - 1; round 0 draws --first-round-samples."""
+    def rse_round(r):  # distinct digits per round and kind, so that any mix-up shows
+        return {"pass@1": 0.5, "solved_cumulative": 0.5, "solver_prompt_tokens": 1000 * (r + 1),
+                "solver_tokens": 100 * (r + 1), "distill_prompt_tokens": 10 * (r + 1) if r < 2 else 0,
+                "distill_tokens": (r + 1) if r < 2 else 0}
+    rse = {"rounds": [rse_round(r) for r in range(3)], "samples_per_round": 4,
+           "args": {"first_round_samples": 16},
+           "baseline": [{"pass@1": 0.5, "solved_cumulative": 0.5, "solver_prompt_tokens": 1000,
+                         "solver_tokens": 100} for _ in range(3)]}
+    arm = {"solved": 0.5, "tokens_read": 1, "tokens_written": 1}
+    evolve = {"rounds": [{"samples_per_problem": 16 + 4 * r, "evolve": arm, "independent": arm,
+                          "independent_same_tokens": arm} for r in range(3)]}
+    rows = compare.search_rows(rse, evolve)
+    assert [row["samples_per_problem"] for row in rows] == [16, 20, 24]
+    assert [row["rse_tokens_read"] for row in rows] == [1000, 3010, 6030]
+    assert [row["rse_tokens_written"] for row in rows] == [100, 301, 603]
+    assert [row["rse_baseline_tokens_read"] for row in rows] == [1000, 2000, 3000]
+
+
 def test_compare_quick_end_to_end(tmp_path):
     """The real default model, every script as a user runs it, at toy sizes: one table where each training
     run stopped at the first step that reached the same budget, all started from the same pass@1, and the

@@ -3,6 +3,7 @@ gold answer kept out of every prompt; copied labels never scored; an evolved row
 the child; the gradient a rescue brings; the metrics (evolved_logp_gap_mean, tokens read and written,
 lengths on the rows counted) against independent computations on the tiny model; search and train end
 to end, seeds, resume, errors, vLLM; one shortened default run that must learn."""
+import dataclasses
 import importlib.util
 import json
 import math
@@ -19,10 +20,10 @@ from conftest import keep_applied_gradients
 
 
 def make_db(entries, gold="99"):
-    """entries: (text, round) -> a database scored against gold, through the real add_node."""
+    """entries: (text, round) -> a database scored against gold, through the real add_attempt."""
     db = []
     for text, round_ in entries:
-        se.add_node(db, text, gold, [], False, [], 1, round_, [])
+        se.add_attempt(db, text, gold, [], False, [], 1, round_, [])
     return db
 
 
@@ -30,20 +31,20 @@ def make_db(entries, gold="99"):
 
 def test_select_parents_distinct_answers_first_from_the_whole_database():
     db = make_db([("25", 0), ("30", 0), ("25", 0), ("no idea", 0), ("31", 1), ("99", 1), ("30", 1)])
-    assert [n["answer"] for n in db] == ["25", "30", "25", None, "31", "99", "30"]
+    assert [n.answer for n in db] == ["25", "30", "25", None, "31", "99", "30"]
     for seed in range(20):
         random.seed(seed)
         picked = se.select_parents(db, 4)
         # one per distinct wrong answer, each by its latest attempt (25: node 2, 30: node 6)
-        assert sorted(n["id"] for n in picked) == [2, 3, 4, 6]
+        assert sorted(n.id for n in picked) == [2, 3, 4, 6]
         random.seed(seed)
         everything = se.select_parents(db, 10)
-        assert everything[:4] == picked and [n["id"] for n in everything[4:]] == [1, 0]  # repeats last
-        assert all(n["reward"] == 0 for n in everything)  # the right attempt (node 5) is never a parent
+        assert everything[:4] == picked and [n.id for n in everything[4:]] == [1, 0]  # repeats last
+        assert all(n.reward == 0 for n in everything)  # the right attempt (node 5) is never a parent
     orders = set()
     for seed in range(20):  # the distinct answers come in random order: round 0 as likely as round 1
         random.seed(seed)
-        orders.add(tuple(n["id"] for n in se.select_parents(db, 4)))
+        orders.add(tuple(n.id for n in se.select_parents(db, 4)))
     assert len(orders) > 3
     assert se.select_parents(db, 0) == [] and se.select_parents([], 3) == []
 
@@ -103,14 +104,14 @@ def test_gold_never_in_a_prompt_even_with_right_attempts_in_the_database(tiny_mo
     assert len(problems) > 100 and any(len(p["answer"]) == 1 for p in problems)
     for p in problems:
         db = make_db([(text, 0) for text in wrong_attempts(p["answer"])], p["answer"])
-        se.add_node(db, f"So it is {p['answer']}", p["answer"], [], False, [], 0, 1, [0])
-        assert db[-1]["reward"] == 1 and all(n["reward"] == 0 for n in db[:-1])
+        se.add_attempt(db, f"So it is {p['answer']}", p["answer"], [], False, [], 0, 1, [0])
+        assert db[-1].reward == 1 and all(n.reward == 0 for n in db[:-1])
         assert all(verifier.reward(a, p["answer"]) == 0 for a in se.ruled_out(db))
         for n_parents in (0, 1, 3, 6):
             args = se.parse_args(["--n-parents", str(n_parents), "--max-attempt-chars", "12",
                                   "--system-prompt", "Hi."])
             ids, parents = se.evolution_prompt(tokenizer, p["question"], db, args)
-            assert all(n["reward"] == 0 for n in parents)
+            assert all(n.reward == 0 for n in parents)
             assert p["answer"] not in tokenizer.decode(ids).replace(p["question"], ""), (p, n_parents)
 
 
@@ -132,9 +133,9 @@ def test_gold_never_in_what_the_sampler_sees(tiny_model_dir):
     torch.manual_seed(0)
     dbs = [make_db([(t, 0) for t in wrong_attempts(p["answer"])], p["answer"]) for p in problems]
     for round_ in (1, 2):
-        se.evolve_round(sampler, tokenizer, problems, dbs, [0, 1], 1, round_, args)
+        se.evolve_round(sampler, tokenizer, problems, dbs, 1, round_, args)
     assert len(seen) == 4 and all(len(db) == 5 + 4 for db in dbs)
-    attempts = sorted({se.shown_attempt(n["text"], 20) for db in dbs for n in db}, key=len, reverse=True)
+    attempts = sorted({se.shown_attempt(n.text, 20) for db in dbs for n in db}, key=len, reverse=True)
     for prompt in seen:
         for text in attempts:
             prompt = prompt.replace(text, "")
@@ -168,7 +169,7 @@ def rescue_fixture(tokenizer, G=4):
     args = se.parse_args(["--group-size", str(G)])
     evolution_prompt, _ = se.evolution_prompt(tokenizer, question, db, args)
     trajectory = tokenizer("It is 4", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    se.add_node(db, "It is 4", "4", trajectory, False, evolution_prompt, 1, 1, [0])
+    se.add_attempt(db, "It is 4", "4", trajectory, False, evolution_prompt, 1, 1, [0])
     return bare, samples, db, evolution_prompt, trajectory
 
 
@@ -177,12 +178,13 @@ def test_evolved_row_is_bare_prompt_plus_trajectory_exactly(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     G = 4
     bare, samples, db, evolution_prompt, trajectory = rescue_fixture(tokenizer, G)
-    rewards = torch.zeros(G)
-    rescues = se.join_evolved(samples, rewards, db, 0, 0, G, max_evolved=2)
-    assert [(row, node["id"]) for row, node in rescues] == [(3, 4)]
-    assert rewards.tolist() == [0, 0, 0, 1] and samples[3]["sampler_logprobs"] is None
-    assert se.join_evolved(samples, torch.zeros(G), db, 5, 0, G, 2) == []  # nodes before `since`: none
-    ids, attention, mask = se.build_batch([bare] * G, [s["ids"] for s in samples], tokenizer.pad_token_id)
+    rewards, before = torch.zeros(G), [dict(s) for s in samples]
+    joined, joined_rewards, rescues = se.join_evolved(samples, rewards, [0], [db], [0], G, max_evolved=2)
+    assert [(row, node.id) for row, node in rescues] == [(3, 4)]
+    assert joined_rewards.tolist() == [0, 0, 0, 1] and joined[3]["sampler_logprobs"] is None
+    assert samples == before and rewards.tolist() == [0] * G  # new lists: the arguments unchanged
+    assert se.join_evolved(samples, rewards, [0], [db], [5], G, 2)[2] == []  # before `since`: none
+    ids, attention, mask = se.build_batch([bare] * G, [s["ids"] for s in joined], tokenizer.pad_token_id)
     row = ids[-1][attention[-1].bool()].tolist()
     assert row == bare + trajectory  # the chat-template ids of the bare prompt, then the child's
     assert mask[-1].sum() == len(trajectory) and len(evolution_prompt) > len(bare) + len(se.HEADER)
@@ -200,7 +202,7 @@ def test_rescued_group_has_a_gradient_where_the_all_wrong_group_had_none(tiny_mo
     for rescue in (False, True):
         rows, rewards = [dict(s) for s in samples], torch.zeros(G)
         if rescue:
-            se.join_evolved(rows, rewards, db, 0, 0, G, args.max_evolved)
+            rows, rewards, _ = se.join_evolved(rows, rewards, [0], [db], [0], G, args.max_evolved)
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         batch = dict(prompts=[bare] * G, samples=rows,
                      advantages=se.group_advantages(rewards, G))
@@ -271,7 +273,7 @@ def test_one_train_step_and_its_metrics(tiny_model_dir, tmp_path, spy, monkeypat
 
     def recording(*a):  # the rescues as they were trained (the database drops their ids later)
         done = join(*a)
-        rescues.extend((row, dict(node)) for row, node in done)
+        rescues.extend((row, dataclasses.replace(node)) for row, node in done[2])
         return done
     monkeypatch.setattr(se, "join_evolved", recording)
     summary = se.main(tiny_run(tiny_model_dir, tmp_path, "--seed", "6"))  # a seed that rescues
@@ -296,8 +298,8 @@ def test_one_train_step_and_its_metrics(tiny_model_dir, tmp_path, spy, monkeypat
     assert record["evolved_trained"] == len(rescues) >= 1
     from transformers import AutoModelForCausalLM
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    gaps = [full_logprob(start, group[0][row // 4], node["ids"])
-            - full_logprob(start, node["prompt"], node["ids"]) for row, node in rescues]
+    gaps = [full_logprob(start, group[0][row // 4], node.ids)
+            - full_logprob(start, node.prompt, node.ids) for row, node in rescues]
     assert record["evolved_logp_gap_mean"] == pytest.approx(sum(gaps) / len(gaps), abs=1e-3)
     assert record["reward_mean_after_rescue"] > record["reward_mean"]
     trees = [json.loads(line) for line in (tmp_path / "evolution_trees.jsonl").read_text().splitlines()]
@@ -335,6 +337,50 @@ def test_search_mode_table(tiny_model_dir, tmp_path, spy):
         if right:  # evolution stopped at the round of the first right attempt
             assert max(n["round"] for n in tree["nodes"]) == min(n["round"] for n in right)
     assert not (tmp_path / "final").exists()  # no training, no checkpoint
+
+
+def test_search_arms_draw_from_their_own_streams(tiny_model_dir, tmp_path, monkeypatch):
+    """Issue 28, finding 8: an arm's samples do not depend on whether the other arms sample. With
+    evolution's rounds sampling nothing, the independent arm is the same to the token; with the
+    same-tokens arm sampling nothing, the evolve and independent arms are."""
+    flags = ["--mode", "search", "--eval-problems", "8", "--seed", "1"]
+    whole = se.main(tiny_run(tiny_model_dir, tmp_path / "whole", *flags))["rounds"]
+    with monkeypatch.context() as patch:  # evolution draws nothing: its rounds return at once
+        patch.setattr(se, "evolve_round", lambda *a: (0, 0))
+        no_evolve = se.main(tiny_run(tiny_model_dir, tmp_path / "no_evolve", *flags))["rounds"]
+    assert whole[-1]["evolve"]["tokens_written"] > whole[0]["evolve"]["tokens_written"]
+    assert [r["independent"] for r in no_evolve] == [r["independent"] for r in whole]
+    monkeypatch.setattr(se, "same_tokens_top_up", lambda *a: None)
+    no_top_up = se.main(tiny_run(tiny_model_dir, tmp_path / "no_top_up", *flags))["rounds"]
+    assert whole[-1]["independent_same_tokens"]["samples"] > whole[0]["evolve"]["samples"]
+    for arm in ("evolve", "independent"):
+        assert [r[arm] for r in no_top_up] == [r[arm] for r in whole], arm
+    trees = [(tmp_path / name / "evolution_trees.jsonl").read_text() for name in ("whole", "no_top_up")]
+    assert trees[0] == trees[1]
+
+
+def test_same_tokens_arm_stops_at_the_deficit(tiny_model_dir, tmp_path, spy):
+    """Issue 28, finding 12: the same-tokens arm spends evolution's tokens and then stops: past them
+    by less than one sample's cost in every round (it once drew a sample for every unsolved problem
+    in its last pass). And a deficit smaller than one sample buys exactly one sample."""
+    summary = se.main(tiny_run(tiny_model_dir, tmp_path, "--mode", "search", "--eval-problems", "8",
+                               "--seed", "1"))
+    (first,) = [call for call in spy if call[1] == 4]
+    one_sample = max(map(len, first[0])) + 6  # the longest bare prompt + --max-new-tokens
+    spent = lambda arm: arm["tokens_read"] + arm["tokens_written"]  # noqa: E731
+    for row in summary["rounds"][1:]:
+        over = spent(row["independent_same_tokens"]) - spent(row["evolve"])
+        assert row["independent_same_tokens"]["solved"] == 1 or 0 <= over < one_sample, row
+    model, tokenizer = se.load_model(tiny_model_dir, torch.float32, "cpu")
+    sampler = se.Sampler("hf", model, tokenizer)
+    problems = [{"question": f"What is {i} - {i}?", "answer": "zero"} for i in range(8)]  # unsolvable
+    bare = [se.encode_prompt(tokenizer, p["question"]) for p in problems]
+    args = se.parse_args(["--max-new-tokens", "6"])
+    arm = se.Arm(solved=[False] * 8)
+    se.sample_bare(sampler, tokenizer, problems, bare, arm, range(8), 1, args)
+    start = (arm.samples, arm.spent())
+    se.same_tokens_top_up(sampler, tokenizer, problems, bare, arm, arm.spent() + 3, args)
+    assert arm.samples == start[0] + 1 and 3 <= arm.spent() - start[1] <= one_sample
 
 
 def read_logs(folder):
