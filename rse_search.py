@@ -26,7 +26,7 @@ Result: [" x > 0 ", "a + b = 7 holds"].
 The official run (scripts/run.sh): R = 4, K = 32, tau = 0.8 (all-MiniLM-L6-v2), temperature 0.6,
 top-p 0.95, top-k 20 and up to 38912 new tokens for solver and distiller, up to 5 retries of a
 reply that is not valid JSON, the whole bank rendered, sorted. Its round 0 draws far more: 10240
-samples a problem, the bank built from the first 100 valid distillations (--first-round-samples
+samples per problem, the bank built from the first 100 valid distillations (--first-round-samples
 10240 --distill-per-problem 100: the first 100 trajectories are distilled, not the first 100 valid).
 
 [our choice] notes:
@@ -89,7 +89,7 @@ def parse_args(argv=None):
     add_common_args(parser)  # a search trains nothing: no training flags
     add, count, at_least_0 = parser.add_argument, bounded(int, 1), bounded(int, 0)
     add("--rounds", type=count, default=3, help="R: round 0 plain, then R - 1 rounds with the bank")
-    add("--samples-per-round", type=count, default=4, help="K: solver samples a problem and round")
+    add("--samples-per-round", type=count, default=4, help="K: solver samples per problem, round")
     add("--first-round-samples", type=count, help="K_0: round 0's samples (default: K)")
     add("--top-p", type=bounded(float, 0, True), default=0.95, help="solver and distiller nucleus")
     add("--top-k", type=at_least_0, default=20, help="solver and distiller top-k (0: off)")
@@ -362,7 +362,7 @@ def majority_correct(texts, gold):
     return float(bool(answers) and verifier.is_equiv(answers[votes.index(max(votes))], gold))
 
 def solve(sampler, tokenizer, prompts, problems, K, args):
-    """K samples a problem -> texts [P * K], right answers a problem [P], the statistics, and a
+    """K samples per problem -> texts [P * K], right answers per problem [P], the statistics, and a
     record a trajectory."""
     samples = generate(sampler, prompts, K, args.max_new_tokens, args, "solve")
     texts = tokenizer.batch_decode([s["ids"] for s in samples], skip_special_tokens=True)
@@ -457,7 +457,7 @@ def main(argv=None):
         write("banks", *({"round": r, "problem": i, "question": p["question"], **banks[i],
                           "guided": i in guided, "system_prompt": built[i][1]}
                          for i, p in enumerate(problems)))
-        # 2. K solver samples a problem, checked against the gold answers
+        # 2. K solver samples per problem, checked against the gold answers
         texts, right, stats, records = solve(sampler, tokenizer, [b[0] for b in built], problems,
                                              K, args)
         write("trajectories", *({"method": "rse", "round": r, **rec} for rec in records))
@@ -467,8 +467,8 @@ def main(argv=None):
                "nonempty_bank_frac": len(guided) / P,
                "guided_pass@1": float(np.mean([right[i] for i in guided])) / K if guided else None,
                "guided_baseline_pass@1": None}
-        # 3. the baseline: K more samples a problem with the plain prompt (round 0 is shared), from
-        # a generator seeded by (--seed, round): RSE's draws are the same with --no-baseline
+        # 3. the baseline: K more samples per problem with the plain prompt (round 0 is shared),
+        # from a generator seeded by (--seed, round): RSE's draws are the same with --no-baseline
         if not args.no_baseline:
             b_right, b_stats = right, stats
             if r > 0:

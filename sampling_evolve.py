@@ -104,7 +104,7 @@ def parse_args(argv=None):
         help="train: GRPO that rescues all-wrong groups; search: held-out, vs independent samples")
     add("--rounds", type=bounded(int, 0), default=2, help="evolution rounds after round 0")
     add("--children", type=bounded(int, 1), default=4, help="attempts per problem in a round")
-    add("--n-parents", type=bounded(int, 0), default=3, help="earlier attempts a prompt shows")
+    add("--n-parents", type=bounded(int, 0), default=3, help="earlier attempts per prompt")
     add("--max-attempt-chars", type=bounded(int, 1), default=200,
         help="an attempt is shown by its last N characters (where its final answer is)")
     add("--max-evolved", type=bounded(int, 0), default=2,
