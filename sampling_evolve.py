@@ -16,16 +16,16 @@ and GRPO that rescues the groups in which no sample was right (--mode train, the
 
 Everything after the opening is ours [our choice]:
   * select(D_x) (select_parents): up to --n-parents wrong attempts of all D_x, one per distinct
-    final answer first (in random order), then the rest (0/1 rewards: "best" would mean "latest").
+    final answer first, in random order, then the rest (0/1 rewards: no "best" attempt to prefer).
   * No prompt holds the gold answer: a problem stops evolving at its first right attempt, parents
     and the ruled-out list are wrong attempts only, the template's own text has no digit, and a
     child that copies a prompt label ("Attempt:", "Verdict:", "Ruled out:") is cut there
     (drop_copied_scaffold). But f(y) and the ruled-out list are made against the gold answer: the
     search's "solved" is Pass@N with an oracle checker, not an accuracy one could deploy.
-  * --mode search (search): held out, round 0 (K samples of x per problem) shared; then each round,
-    for every problem an arm has not solved: evolve, --children children; independent, --children
-    samples of x (the source's Pass@N); same tokens, samples of x up to evolution's tokens read +
-    written. Each arm has its own seeded stream (seed_arm). Reported: share solved so far, cost.
+  * --mode search (search), on held-out problems: round 0 (K samples of x per problem) is shared;
+    then each round, for every problem an arm has not solved: evolve, --children children;
+    independent, --children samples of x (the source's Pass@N); same tokens, samples of x up to
+    evolution's tokens read + written. Each arm has its own seeded stream (seed_arm; on HF only).
 
 --mode train (main) is GRPO (Group Relative Policy Optimization, grpo.py) with a rescue:
 For every prompt x, sample a group of G completions y_1..y_G from the current policy, score each
@@ -268,8 +268,8 @@ def sample_bare(sampler, tokenizer, problems, bare, arm, todo, n, args):
     return samples, texts
 
 def same_tokens_top_up(sampler, tokenizer, problems, bare, arm, target, args):
-    """Samples of x for the problems the arm has not solved until it has spent (read + written)
-    `target`, evolution's spend: each pass buys what the deficit pays for at the arm's mean cost."""
+    """Samples of x for the arm's unsolved problems until it has spent `target` (read + written),
+    evolution's spend: the comparison at equal cost. A pass buys what the deficit pays for."""
     while arm.spent() < target and arm.unsolved():
         todo = arm.unsolved()
         tokens_per_sample = arm.spent() / arm.samples  # this arm's mean so far (read + written)
@@ -279,7 +279,7 @@ def same_tokens_top_up(sampler, tokenizer, problems, bare, arm, target, args):
         sample_bare(sampler, tokenizer, problems, bare, arm, todo, affordable // len(todo), args)
 
 def seed_arm(seed, arm, round_):
-    """Seed an arm's round from (--seed, arm, round): HF generate; vLLM has its engine's stream."""
+    """An arm's round seeded from (--seed, arm, round): no other arm moves its draws (HF only)."""
     derived = int(np.random.SeedSequence([seed, arm, round_]).generate_state(1)[0])
     random.seed(derived)
     torch.manual_seed(derived)  # CUDA's generators too
