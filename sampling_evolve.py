@@ -15,20 +15,17 @@ and GRPO that rescues the groups in which no sample was right (--mode train, the
                 answer format ("Answer with just the number.") is the last instruction
 
 Everything after the opening is ours [our choice]:
-  * select(D_x) (select_parents): up to --n-parents wrong attempts of all D_x (round 0 included),
-    one per distinct final answer first (the answers in random order), then the rest: with a 0/1
-    reward "best first" would only mean "latest first". --n-parents 0: the ruled-out list alone.
+  * select(D_x) (select_parents): up to --n-parents wrong attempts of all D_x, one per distinct
+    final answer first, in random order, then the rest (0/1 rewards: no "best" attempt to prefer).
   * No prompt holds the gold answer: a problem stops evolving at its first right attempt, parents
     and the ruled-out list are wrong attempts only, the template's own text has no digit, and a
     child that copies a prompt label ("Attempt:", "Verdict:", "Ruled out:") is cut there
-    (drop_copied_scaffold). But f(y) and the ruled-out list are made against the gold answer:
-    evolution has an oracle checker that independent sampling lacks, so the search's "solved" is
-    Pass@N with oracle feedback, not the accuracy of a method that could run without the gold.
-  * --mode search (search): on the held-out problems, round 0 (K samples of x per problem) is
-    shared; then each round, for every problem an arm has not solved: evolve, --children children;
-    independent, --children samples of x (the source's Pass@N); same tokens, samples of x until it
-    has spent evolution's tokens read + written, no more than the deficit pays for. Each arm draws
-    from its own seeded stream (seed_arm). Reported: the share solved so far, and the cost.
+    (drop_copied_scaffold). But f(y) and the ruled-out list are made against the gold answer: the
+    search's "solved" is Pass@N with an oracle checker, not an accuracy one could deploy.
+  * --mode search (search), on held-out problems: round 0 (K samples of x per problem) is shared;
+    then each round, for every problem an arm has not solved: evolve, --children children;
+    independent, --children samples of x (the source's Pass@N); same tokens, samples of x up to
+    evolution's tokens read + written. Each arm has its own seeded stream (seed_arm; on HF only).
 
 --mode train (main) is GRPO (Group Relative Policy Optimization, grpo.py) with a rescue:
 For every prompt x, sample a group of G completions y_1..y_G from the current policy, score each
@@ -43,18 +40,15 @@ without refilling the batch). Sources: DeepSeekMath (GRPO), DAPO (clip-higher, t
 dynamic sampling), Dr. GRPO (no std, no length normalisation).
 The steps of main: (1) the groups, scored; (2) a group with no right sample is evolved, its G
 samples round 0 of this visit to D_x; (3) up to --rounds rounds while it has no right attempt
-(evolve_round); (4) up to --max-evolved right children replace wrong samples of the group
-(join_evolved; it keeps G members) as answers to the BARE prompt: the row is x's chat-template
-ids, then the child's; (5) A_i, then the update.
+(evolve_round); (4) up to --max-evolved right children replace its last samples (join_evolved)
+as answers to the BARE prompt: x's chat-template ids, then the child's; (5) A_i, the update.
 
-The databases persist across steps and --resume. A rescued y came from pi_theta(.|E), not from
-pi_theta(.|x), and is trained as the policy's own (ratio 1 at --ppo-epochs 1) without the weight
-pi_theta(y|x) / pi_theta(y|E) (evolved_logp_gap_mean: the mean of its log over rescued rows, before
-the update): in effect reward-weighted fine-tuning on an off-policy answer, a gradient where there
-was none (G = 8, one rescue: A = [2.65, -0.38 x 7]), and its bias. To carry the rescue into another
-GRPO trainer, copy the evolution section (Attempt to join_evolved) and steps (2)-(4) of main.
-tokens_read (each sample's prompt, once) is logged beside tokens_sampled (what --token-budget
-counts); reward_mean, completion_len_mean, truncated_frac: the groups' samples, before rescues.
+The databases persist across steps and --resume. A rescued y came from pi_theta(.|E) and is trained
+as the policy's own answer to x (ratio 1 at --ppo-epochs 1), without the weight pi_theta(y|x) /
+pi_theta(y|E) (evolved_logp_gap_mean: the mean of its log over rescued rows, before the update): in
+effect reward-weighted fine-tuning on an off-policy answer, a gradient where there was none (G = 8,
+one rescue: A = [2.65, -0.38 x 7]), and its bias. To carry the rescue into another GRPO trainer,
+copy the evolution section (Attempt to join_evolved) and steps (2)-(4) of main.
 
 The update (policy_loss, aggregate_loss, train_step):
     rho_i,t = pi_theta(y_i,t | x, y_i,<t) / pi_old(y_i,t | x, y_i,<t)
@@ -72,7 +66,6 @@ The update (policy_loss, aggregate_loss, train_step):
 Run:
     python sampling_evolve.py                           # train: GRPO + rescue of all-wrong groups
     python sampling_evolve.py --mode search --rounds 3  # held-out search vs independent sampling
-    python tests/bench_sampling_evolve.py               # search over seeds; variants that lost
 """
 import argparse
 import dataclasses
@@ -104,17 +97,14 @@ def parse_args(argv=None):
         help="train: GRPO that rescues all-wrong groups; search: held-out, vs independent samples")
     add("--rounds", type=bounded(int, 0), default=2, help="evolution rounds after round 0")
     add("--children", type=bounded(int, 1), default=4, help="attempts per problem in a round")
-    add("--n-parents", type=bounded(int, 0), default=3, help="earlier attempts per prompt")
-    add("--max-attempt-chars", type=bounded(int, 1), default=200,
-        help="an attempt is shown by its last N characters (where its final answer is)")
-    add("--max-evolved", type=bounded(int, 0), default=2,
-        help="train: right children that replace wrong samples of an all-wrong group")
+    add("--n-parents", type=bounded(int, 0), default=3, help="earlier attempts a prompt shows")
+    add("--max-attempt-chars", type=bounded(int, 1), default=200, help="shown: an attempt's last N")
+    add("--max-evolved", type=bounded(int, 0), default=2, help="train: right children per group")
     args = parser.parse_args(argv)
     if args.mode == "search" and args.rounds < 1:
         die("--rounds must be at least 1 with --mode search")
-    if args.mode == "train" and args.max_evolved >= args.group_size:
-        die(f"--max-evolved {args.max_evolved} must be below --group-size {args.group_size}: "
-            "a group needs a wrong sample left to compare")
+    if args.mode == "train" and args.max_evolved >= args.group_size:  # one wrong sample must stay
+        die(f"--max-evolved {args.max_evolved} must be below --group-size {args.group_size}")
     return args
 
 # ------------------------------------------------------------------------ the method: advantages
@@ -130,10 +120,9 @@ def group_advantages(rewards, group_size, scale="group"):
     return centred.reshape(-1)  # [P * G]
 
 # ------------------------------------------------------------------------ the method: evolution
-# The evolution prompt's own text has no digit, so a numeric gold answer cannot come from it.
 HEADER = "Earlier attempts at this problem, each with a checker's verdict:"
 INSTRUCTION = "Try again, with an answer that is not ruled out. {question}"
-LABELS = re.compile(r"Attempt:|Verdict:|Ruled out:")  # a child copying these is cut there
+LABELS = re.compile(r"Attempt:|Verdict:|Ruled out:")  # a child copying one is cut there; no digit
 
 @dataclasses.dataclass
 class Attempt:
@@ -162,8 +151,7 @@ def solved(db, since=0):
     return any(attempt.reward >= 1 for attempt in db[since:])
 
 def select_parents(db, n_parents):
-    """S = select(D_x): up to n_parents wrong attempts: one for each distinct final answer first
-    (the answers in random order, each by its latest attempt), then the others, latest first."""
+    """S = select(D_x): the latest wrong attempt of each answer (shuffled), then the rest."""
     wrong = [attempt for attempt in reversed(db) if attempt.reward < 1]  # latest first
     firsts = list({a.answer: a for a in reversed(wrong)}.values())  # a later one overwrites
     random.shuffle(firsts)
@@ -197,8 +185,7 @@ def evolution_prompt(tokenizer, question, db, args):
     return encode_prompt(tokenizer, text, args.system_prompt, args.chat_template_kwargs), parents
 
 def drop_copied_scaffold(tokenizer, ids):
-    """(ids, text, cut): a child up to the first prompt label it copies, so that a number copied
-    from a verdict or from the ruled-out list is never scored nor trained."""
+    """(ids, text, cut): the child up to a prompt label it copies (never scored nor trained)."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
     copied = LABELS.search(text)
     if copied is None:
@@ -209,8 +196,7 @@ def drop_copied_scaffold(tokenizer, ids):
     return ids, text, True
 
 def evolve_round(sampler, tokenizer, problems, dbs, step, round_, args):
-    """Round r for these problems (dbs[j]: D_x of problems[j]): --children attempts each from its
-    evolution prompt, in one generate call, scored and stored. Returns (tokens read, written)."""
+    """Round r: --children attempts per problem from E(x, S), stored in dbs: (read, written)."""
     built = [evolution_prompt(tokenizer, p["question"], db, args) for p, db in zip(problems, dbs)]
     prompts = [prompt for prompt, _ in built]  # E(x, S) of each problem, chat-template ids
     parents = [shown for _, shown in built]  # S of each problem
@@ -225,9 +211,8 @@ def evolve_round(sampler, tokenizer, problems, dbs, step, round_, args):
     return C * sum(map(len, prompts)), sum(len(child["ids"]) for child in children)
 
 def join_evolved(samples, rewards, groups, dbs, since, group_size, max_evolved):
-    """Train: new (samples, rewards [P * G], rescues [(row, child)]): up to max_evolved right
-    children of this visit (dbs[j] from since[j] on) in place of the last samples of group
-    groups[j]. Only the child's ids go in: the row trained is the BARE prompt's ids + these."""
+    """Train: new (samples, rewards [P * G], rescues [(row, child)]): group groups[j]'s last samples
+    replaced by up to max_evolved right children of dbs[j][since[j]:] (row: BARE prompt + child)."""
     samples, rewards = list(samples), rewards.clone()  # copies: the arguments stay as they were
     rescues = []
     for group, db, first in zip(groups, dbs, since):
@@ -254,8 +239,7 @@ def tree_line(problem, db, **extra):
                        "nodes": nodes}) + "\n"
 
 # ------------------------------------------------------------------------ the method: search
-# Evolve's verdicts and ruled-out list are made against the gold answer, the independent arms
-# get none: evolve's "solved" is Pass@N with an oracle checker, not a deployable accuracy.
+# Evolve's verdicts and ruled-out list come from the gold answer: Pass@N with an oracle checker.
 @dataclasses.dataclass
 class Arm:
     """One arm of the search, so far (cumulative over rounds)."""
@@ -284,8 +268,8 @@ def sample_bare(sampler, tokenizer, problems, bare, arm, todo, n, args):
     return samples, texts
 
 def same_tokens_top_up(sampler, tokenizer, problems, bare, arm, target, args):
-    """Samples of x for the problems the arm has not solved until it has spent (read + written)
-    `target`, evolution's spend: each pass buys what the deficit pays for at the arm's mean cost."""
+    """Samples of x for the arm's unsolved problems until it has spent `target` (read + written),
+    evolution's spend: the comparison at equal cost. A pass buys what the deficit pays for."""
     while arm.spent() < target and arm.unsolved():
         todo = arm.unsolved()
         tokens_per_sample = arm.spent() / arm.samples  # this arm's mean so far (read + written)
@@ -295,15 +279,13 @@ def same_tokens_top_up(sampler, tokenizer, problems, bare, arm, target, args):
         sample_bare(sampler, tokenizer, problems, bare, arm, todo, affordable // len(todo), args)
 
 def seed_arm(seed, arm, round_):
-    """Before an arm's round: python's and torch's generators seeded from (--seed, arm, round), so
-    that no arm depends on which others run (HF generate; vLLM draws from its engine's stream)."""
+    """An arm's round seeded from (--seed, arm, round): no other arm moves its draws (HF only)."""
     derived = int(np.random.SeedSequence([seed, arm, round_]).generate_state(1)[0])
     random.seed(derived)
     torch.manual_seed(derived)  # CUDA's generators too
 
 def search(args):
-    """--mode search (no training): on the held-out problems, the share solved after each round by
-    the three arms of the docstring. Prints the table, writes summary.json and the trees."""
+    """--mode search: the docstring's three arms round by round; summary.json and the trees."""
     check_args(args, "sampling_evolve")
     training = argparse.ArgumentParser()  # a training flag the user changed does nothing here
     add_training_args(training)
@@ -364,8 +346,7 @@ def search(args):
                for name, arm in arms.items()}
         table.append({"round": round_, "samples_per_problem": K + C * round_, **row})
         print(f"round {round_} ({K + C * round_} samples per problem), solved: " + ", ".join(
-            f"{name} {arm['solved']:.3f} ({arm['tokens_read']} tokens read, "
-            f"{arm['tokens_written']} written)" for name, arm in row.items()))
+            f"{name} {arm['solved']:.3f}" for name, arm in row.items()))  # tokens: summary.json
     with open(os.path.join(args.output_dir, "evolution_trees.jsonl"), "w") as f:
         f.writelines(tree_line(problem, db) for problem, db in zip(problems, dbs))
     summary = {"mode": "search", "rounds": table, "problems": len(problems),
@@ -476,8 +457,8 @@ def main(argv=None):
         golds = [p["answer"] for p in problems for _ in range(G)]
         rewards = torch.tensor([verifier.reward(t, g) for t, g in zip(texts, golds)])  # [P * G]
         lengths = [len(s["ids"]) for s in samples]  # pi_theta(.|x)'s own samples, before rescues
-        truncated = [s["truncated"] for s in samples]
-        reward_mean = rewards.mean().item()
+        own = {"reward_mean": rewards.mean().item(), "completion_len_mean": float(np.mean(lengths)),
+               "truncated_frac": float(np.mean([s["truncated"] for s in samples]))}
         # (2) each all-wrong group is evolved: its G samples are this visit's round 0 of D_x
         all_wrong = [p for p in range(len(problems)) if rewards[p * G: (p + 1) * G].max() == 0]
         dbs = [databases.setdefault(problems[p]["question"], []) for p in all_wrong]
@@ -513,10 +494,8 @@ def main(argv=None):
         rows = [i for i in range(len(samples)) if not (args.filter_groups and zero_std[i // G])]
         stats = run.update([prompts[i // G] for i in rows], [samples[i] for i in rows],
                            advantages[rows]) if rows else {}
-        record = {"reward_mean": reward_mean, "frac_zero_std": zero_std.float().mean().item(),
-                  "all_wrong_frac": len(all_wrong) / len(problems),
-                  "completion_len_mean": float(np.mean(lengths)),
-                  "truncated_frac": float(np.mean(truncated)), **stats, **off_policy,
+        record = {**own, "frac_zero_std": zero_std.float().mean().item(),
+                  "all_wrong_frac": len(all_wrong) / len(problems), **stats, **off_policy,
                   "reward_mean_after_rescue": rewards.mean().item()}
         for p, db in zip(all_wrong, dbs):  # the tree; then D_x keeps no ids (later steps read it)
             trees.write(tree_line(problems[p], db, step=step))

@@ -2,7 +2,8 @@
 gold answer kept out of every prompt; copied labels never scored; an evolved row is the bare prompt +
 the child; the gradient a rescue brings; the metrics (evolved_logp_gap_mean, tokens read and written,
 lengths on the rows counted) against independent computations on the tiny model; search and train end
-to end, seeds, resume, errors, vLLM; one shortened default run that must learn."""
+to end, each search arm's own random stream, the same-tokens arm stopping at evolution's spend, seeds,
+resume, errors, vLLM; one shortened default run that must learn."""
 import dataclasses
 import importlib.util
 import json
