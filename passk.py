@@ -39,17 +39,17 @@ of --mix only). --k G trains nothing (every k-subset is the whole group): refuse
 
 The update (policy_loss, aggregate_loss, train_step):
     rho_i,t = pi_theta(y_i,t | x, y_i,<t) / pi_old(y_i,t | x, y_i,<t)
-    l_i,t   = -min(rho_i,t A_i, clip(rho_i,t, 1 - eps_low, 1 + eps_high) A_i)   --eps-low, --eps-high
+    l_i,t   = -min(rho_i,t A_i, clip(rho_i,t, 1 - eps_low, 1 + eps_high) A_i)   --eps-low/high
               + beta (exp(ref - logp) - (ref - logp) - 1)        --beta: k3 KL to the start (0: off)
   summed into one number by --loss-agg:
     token-mean    sum over the batch's tokens / their number               (DAPO, the default)
     seq-mean      mean over each sequence's tokens, then over sequences    (original GRPO)
     seq-sum-norm  sum / (number of sequences x --max-new-tokens)           (Dr. GRPO)
-  k3, Schulman's estimator of KL(pi_theta || pi_ref), is unbiased as a value on tokens pi_theta
-  sampled; as a loss its gradient is that of KL(pi_ref || pi_theta), the reverse direction (as in
-  TRL and verl). Our A_i is sqrt(G / (G - 1)) times TRL's and verl's (population std, not Bessel's).
-  With beta = 0 a row with A = 0 is never forwarded, so --filter-groups only rescales the loss.
-  clip_frac_trained and entropy_trained (metrics.jsonl) cover the forwarded rows, not every sample.
+  k3, Schulman's third estimator of KL(pi_theta || pi_ref), is unbiased as a value on tokens
+  pi_theta sampled; as a loss its gradient is that of KL(pi_ref || pi_theta), the reverse direction
+  (as in TRL and verl). Our A_i is sqrt(G / (G - 1)) times TRL's and verl's (their std divides by
+  G - 1). With beta = 0 a row with A = 0 is never forwarded, so --filter-groups only rescales the
+  loss. clip_frac_trained and entropy_trained (metrics.jsonl) cover the forwarded rows only.
   [our choice] pi_old is the sampling policy as the trainer computes it (--ppo-epochs 1: ratio 1,
   pi_old = logp.detach()); vLLM's own log-probs only check the weight sync (logp_mismatch_*). A
   completion with A = 0 and no KL has no gradient: not forwarded (it still counts in the
@@ -196,12 +196,13 @@ def passk_training_advantages(rewards, args, entropy=None):
 def group_advantages(rewards, group_size, scale="group"):
     """rewards [P * G], each group of G consecutive -> advantages [P * G].
 
-    Worked example, G = 4, rewards [1, 0, 0, 0]: mean 0.25, population std 0.433, so
+    Worked example, G = 4, rewards [1, 0, 0, 0]: mean 0.25, std 0.433 (divided by G), so
     A = [1.73, -0.58, -0.58, -0.58]; with scale="none": [0.75, -0.25, -0.25, -0.25]."""
     grouped = rewards.float().view(-1, group_size)  # [P, G]
-    centred = grouped - grouped.mean(dim=1, keepdim=True)  # [P, G]
+    centred = grouped - grouped.mean(dim=1, keepdim=True)  # r_i - mean(r)   [P, G]
     if scale == "group":
-        centred = centred / (grouped.std(dim=1, unbiased=False, keepdim=True) + 1e-4)
+        std = grouped.std(dim=1, unbiased=False, keepdim=True)  # divides by G   [P, 1]
+        centred = centred / (std + 1e-4)  # A_i = (r_i - mean(r)) / (std(r) + 1e-4)
     return centred.reshape(-1)  # [P * G]
 
 # ------------------------------------------------------------------------ the update
@@ -209,54 +210,70 @@ def policy_loss(logp, old_logp, advantages, eps_low, eps_high, ref_logp=None, be
     """Per-token clipped surrogate (+ k3 KL). logp, old_logp, ref_logp [B, T]; advantages [B].
     Returns (loss [B, T], clipped [B, T]: 1 where the clip won the min, kl [B, T] or None)."""
     adv = advantages[:, None]  # [B, 1]
-    ratio = torch.exp(logp - old_logp)  # [B, T]
-    unclipped, clipped = ratio * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
-    loss, kl = -torch.min(unclipped, clipped), None  # [B, T]
+    ratio = torch.exp(logp - old_logp)  # rho = pi_theta / pi_old   [B, T]
+    unclipped = ratio * adv  # rho A   [B, T]
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv  # clip(rho, 1 -+ eps) A
+    loss = -torch.min(unclipped, clipped)  # l = -min(rho A, clip(rho) A)   [B, T]
+    kl = None
     if beta > 0:
         log_ratio_ref = ref_logp - logp  # [B, T]
         kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3 >= 0; gradient: KL(ref || pi)'s
-        loss = loss + beta * kl
+        loss = loss + beta * kl  # l + beta k3
     return loss, (clipped < unclipped).float(), kl
 
 def aggregate_loss(token_loss, mask, loss_agg, num_tokens, num_sequences, max_new_tokens):
     """One number from the per-token losses [b, T] of a micro-batch. The normalisers are the whole
     batch's, so the micro-batches' results add up to the full batch's loss."""
     masked = token_loss * mask  # [b, T]
-    if loss_agg == "token-mean":
+    if loss_agg == "token-mean":  # sum over the batch's tokens / their number
         return masked.sum() / num_tokens
-    if loss_agg == "seq-mean":
+    if loss_agg == "seq-mean":  # mean over each sequence's tokens, then over sequences
         return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / num_sequences
-    return masked.sum() / (num_sequences * max_new_tokens)  # seq-sum-norm
+    return masked.sum() / (num_sequences * max_new_tokens)  # seq-sum-norm: sum / (B x T_max)
 
 def train_step(model, optimizer, batch, args, ref_model=None):
     """One sampled batch -> --ppo-epochs optimizer steps; returns diagnostics. batch: "prompts"
     (lists of ids), "samples" (dicts: "ids", and "sampler_logprobs" with vLLM, compared with ours as
     a check of the weight sync, never used in the ratio), "advantages" [B]."""
-    adv, dtype, samples = batch["advantages"], getattr(torch, args.dtype), batch["samples"]
-    num_sequences, num_tokens = len(adv), max(sum(len(s["ids"]) for s in samples), 1)
+    adv = batch["advantages"]  # [B]
+    samples = batch["samples"]
+    dtype = getattr(torch, args.dtype)
+    num_sequences = len(adv)
+    num_tokens = max(sum(len(s["ids"]) for s in samples), 1)
     pad_id = model.generation_config.pad_token_id
     # A row with A = 0 adds nothing but KL: without KL it is not forwarded at all (exact).
-    active = list(range(num_sequences)) if args.beta > 0 else adv.nonzero().squeeze(1).tolist()
+    if args.beta > 0:
+        active = list(range(num_sequences))
+    else:
+        active = adv.nonzero().squeeze(1).tolist()
     micro_batches = []  # (rows, ids [b, L + t], attention [b, L + t], mask [b, t]), own widths
-    for rows in (active[i: i + args.micro_batch] for i in range(0, len(active), args.micro_batch)):
-        tensors = build_batch([batch["prompts"][i] for i in rows], [samples[i]["ids"] for i in rows],
-                              pad_id)
+    for start in range(0, len(active), args.micro_batch):
+        rows = active[start: start + args.micro_batch]
+        prompts = [batch["prompts"][i] for i in rows]
+        tensors = build_batch(prompts, [samples[i]["ids"] for i in rows], pad_id)
         micro_batches.append((rows, *(t.to(model.device) for t in tensors)))
     def logprobs(net, ids, attention, mask, with_entropy=False):  # [b, t] (and entropy [b, t])
         return token_logprobs(net, ids, attention, mask.shape[1], args.temperature, len(ids),
                               with_entropy, dtype)
-    with torch.no_grad():  # pi_old (fixed at sampling for every epoch) and pi_ref, where needed
-        olds = [logprobs(model, *mb[1:])[0] if args.ppo_epochs > 1 else None for mb in micro_batches]
-        refs = [logprobs(ref_model, *mb[1:])[0] if args.beta > 0 else None for mb in micro_batches]
-    stats, gaps = {"skipped_nonfinite": 0, "trained_sequences": len(active)}, []
+    olds = [None] * len(micro_batches)  # pi_old, fixed at sampling for every epoch (if > 1)
+    refs = [None] * len(micro_batches)  # pi_ref, for the KL term (if beta > 0)
+    with torch.no_grad():
+        for index, (rows, ids, attention, mask) in enumerate(micro_batches):
+            if args.ppo_epochs > 1:
+                olds[index] = logprobs(model, ids, attention, mask)[0]
+            if args.beta > 0:
+                refs[index] = logprobs(ref_model, ids, attention, mask)[0]
+    stats = {"skipped_nonfinite": 0, "trained_sequences": len(active)}
+    gaps = []  # |our log-prob - vLLM's| per sampled token, where vLLM sampled
     for epoch in range(args.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(("loss", "clip_frac", "kl", "entropy", "tokens"), 0.0)
         for (rows, ids, attention, mask), old_logp, ref_logp in zip(micro_batches, olds, refs):
             logp, entropy = logprobs(model, ids, attention, mask, True)  # [b, t] each
-            token_loss, clipped, kl = policy_loss(
-                logp, logp.detach() if old_logp is None else old_logp, adv[rows].to(model.device),
-                args.eps_low, args.eps_high, ref_logp, args.beta)
+            if old_logp is None:
+                old_logp = logp.detach()  # --ppo-epochs 1: pi_old = pi_theta, rho = 1
+            token_loss, clipped, kl = policy_loss(logp, old_logp, adv[rows].to(model.device),
+                                                  args.eps_low, args.eps_high, ref_logp, args.beta)
             loss = aggregate_loss(token_loss, mask, args.loss_agg, num_tokens, num_sequences,
                                   args.max_new_tokens)
             loss.backward()
@@ -266,18 +283,20 @@ def train_step(model, optimizer, batch, args, ref_model=None):
                 if epoch == 0 and engine_logp:
                     ours = logp[j, : len(engine_logp)].detach()  # [tokens]
                     gaps.append((ours - torch.tensor(engine_logp).to(ours)).abs())
-            for key, value in (("loss", loss), ("clip_frac", clipped[tokens].sum()),
-                               ("kl", kl[tokens].sum() if kl is not None else torch.zeros(())),
-                               ("entropy", entropy[tokens].sum()), ("tokens", tokens.sum())):
-                sums[key] += value.item()
+            sums["loss"] += loss.item()
+            sums["clip_frac"] += clipped[tokens].sum().item()
+            sums["entropy"] += entropy[tokens].sum().item()
+            sums["tokens"] += tokens.sum().item()
+            if kl is not None:
+                sums["kl"] += kl[tokens].sum().item()
         if not sums["tokens"]:
             break
         # The gradient norm over all weights (clipped to --max-grad-norm; 0: only measured).
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                          args.max_grad_norm or float("inf")))
         stats.update(clip_frac_trained=sums["clip_frac"] / sums["tokens"],  # rows forwarded only
-                     entropy_trained=sums["entropy"] / sums["tokens"], kl=sums["kl"] / sums["tokens"],
-                     loss=sums["loss"], grad_norm=grad_norm)
+                     entropy_trained=sums["entropy"] / sums["tokens"],
+                     kl=sums["kl"] / sums["tokens"], loss=sums["loss"], grad_norm=grad_norm)
         if not (math.isfinite(sums["loss"]) and math.isfinite(grad_norm)):  # never apply NaN, inf
             optimizer.zero_grad(set_to_none=True)
             stats["skipped_nonfinite"] += 1
@@ -292,7 +311,8 @@ def train_step(model, optimizer, batch, args, ref_model=None):
 # ------------------------------------------------------------------------ the loop
 def main(argv=None):
     args = parse_args(argv)
-    run, G = Run(args), args.group_size  # Run (below): data, policy, sampler, optimizer, logs
+    run = Run(args)  # Run (below): data, policy, sampler, optimizer, logs
+    G = args.group_size
     for step, problems, prompts in run.steps():
         samples = run.sampler.generate(prompts, G, args.max_new_tokens, args.temperature)  # P * G
         texts = run.tokenizer.batch_decode([s["ids"] for s in samples], skip_special_tokens=True)
@@ -303,10 +323,13 @@ def main(argv=None):
         zero_std = rewards.view(-1, G).std(dim=1) == 0  # [P]
         dead = (advantages.view(-1, G) == 0).all(dim=1)  # [P]: equal rewards, or c > N - k
         rows = [i for i in range(len(samples)) if not (args.filter_groups and dead[i // G])]
-        stats = run.update([prompts[i // G] for i in rows], [samples[i] for i in rows],
-                           advantages[rows]) if rows else {}
+        stats = {}
+        if rows:
+            stats = run.update([prompts[i // G] for i in rows], [samples[i] for i in rows],
+                               advantages[rows])
         lengths = [len(s["ids"]) for s in samples]
-        record = {"reward_mean": rewards.mean().item(), "frac_zero_std": zero_std.float().mean().item(),
+        record = {"reward_mean": rewards.mean().item(),
+                  "frac_zero_std": zero_std.float().mean().item(),
                   "all_wrong_frac": (rewards.view(-1, G).sum(dim=1) == 0).float().mean().item(),
                   "completion_len_mean": float(np.mean(lengths)),
                   "truncated_frac": float(np.mean([s["truncated"] for s in samples])), **stats,

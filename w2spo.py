@@ -307,12 +307,13 @@ def load_aux(args):
 def group_advantages(rewards, group_size, scale="group"):
     """rewards [P * G], each group of G consecutive -> advantages [P * G].
 
-    Worked example, G = 4, rewards [1, 0, 0, 0]: mean 0.25, population std 0.433, so
+    Worked example, G = 4, rewards [1, 0, 0, 0]: mean 0.25, std 0.433 (divided by G), so
     A = [1.73, -0.58, -0.58, -0.58]; with scale="none": [0.75, -0.25, -0.25, -0.25]."""
     grouped = rewards.float().view(-1, group_size)  # [P, G]
-    centred = grouped - grouped.mean(dim=1, keepdim=True)  # [P, G]
+    centred = grouped - grouped.mean(dim=1, keepdim=True)  # r_i - mean(r)   [P, G]
     if scale == "group":
-        centred = centred / (grouped.std(dim=1, unbiased=False, keepdim=True) + 1e-4)
+        std = grouped.std(dim=1, unbiased=False, keepdim=True)  # divides by G   [P, 1]
+        centred = centred / (std + 1e-4)  # A_i = (r_i - mean(r)) / (std(r) + 1e-4)
     return centred.reshape(-1)  # [P * G]
 
 # ------------------------------------------------------------------------ the update
@@ -354,11 +355,11 @@ def aggregate_loss(token_loss, mask, loss_agg, num_tokens, num_sequences, max_ne
     """One number from the per-token losses [b, T] of a micro-batch. The normalisers are the whole
     batch's, so the micro-batches' results add up to the full batch's loss."""
     masked = token_loss * mask  # [b, T]
-    if loss_agg == "token-mean":
+    if loss_agg == "token-mean":  # sum over the batch's tokens / their number
         return masked.sum() / num_tokens
-    if loss_agg == "seq-mean":
+    if loss_agg == "seq-mean":  # mean over each sequence's tokens, then over sequences
         return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / num_sequences
-    return masked.sum() / (num_sequences * max_new_tokens)  # seq-sum-norm
+    return masked.sum() / (num_sequences * max_new_tokens)  # seq-sum-norm: sum / (B x T_max)
 
 def train_step(model, optimizer, batch, args, ref_model=None):
     """One sampled batch -> --ppo-epochs optimizer steps; returns diagnostics. batch: "prompts"
@@ -461,7 +462,8 @@ def branch_stats(branches, rewards, args):
 def main(argv=None):
     args = parse_args(argv)
     aux_model = load_aux(args)  # before Run: another vocabulary is refused at once
-    run, G = Run(args), args.group_size  # Run (below): data, policy, sampler, optimizer, logs
+    run = Run(args)  # Run (below): data, policy, sampler, optimizer, logs
+    G = args.group_size
     aux_sampler = Sampler("hf", aux_model.to(run.device, run.compute_dtype), run.tokenizer, None,
                           run.compute_dtype, "--aux-model")  # frozen, compute precision; HF
     for step, problems, prompts in run.steps():
