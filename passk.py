@@ -334,7 +334,8 @@ def main(argv=None):
                   "completion_len_mean": float(np.mean(lengths)),
                   "truncated_frac": float(np.mean([s["truncated"] for s in samples])), **stats,
                   "frac_zero_adv": (advantages == 0).float().mean().item()}
-        if run.end_step(step, record, tokens_sampled=sum(lengths)):
+        tokens_read = G * sum(map(len, prompts))  # each sample reads its prompt
+        if run.end_step(step, record, tokens_sampled=sum(lengths), tokens_read=tokens_read):
             break  # --token-budget spent
     return run.finish(train_k=args.k, passk_mode=args.passk_mode, mix=args.mix)
 
@@ -402,7 +403,10 @@ def add_training_args(parser):
     add = parser.add_argument
     add("--steps", type=count, default=12, help="optimizer steps (at most)")
     add("--token-budget", type=bounded(int, 0), default=0,
-        help="stop after the step at which the tokens sampled for training reach N (0: no limit)")
+        help="stop after the step at which the tokens counted (--budget-counts) reach N (0: off)")
+    add("--budget-counts", default="written", choices=["written", "read+written"],
+        help="what --token-budget counts: the tokens sampled for training (by every model), "
+             "or those and the prompt tokens each sample read")
     add("--prompts-per-step", type=count, default=8, help="prompts per step (P)")
     add("--group-size", type=bounded(int, 2), default=8, help="completions per prompt (G)")
     add("--lr", type=positive, default=2e-5, help="AdamW learning rate (constant)")
@@ -741,7 +745,7 @@ class Run:
         else:
             before = evaluate(self.sampler, self.tokenizer, self.eval_problems, args)
             self.state = {"step": 0, "before": before, "last_eval": before, "train_seconds": 0.0,
-                          "totals": {"tokens_sampled": 0}}
+                          "totals": {"tokens_sampled": 0, "tokens_read": 0}}
 
     def steps(self):
         """(step, problems, prompt ids) for each step to run: one fixed shuffle, cycled."""
@@ -772,14 +776,19 @@ class Run:
         return stats
 
     def end_step(self, step, record, **counts):
-        """Log the step, add counts to the totals (tokens_sampled: by every model, for training,
-        what --token-budget counts), evaluate and save as asked. True: the budget is spent."""
+        """Log the step, add counts to the totals, evaluate and save as asked. counts has
+        tokens_sampled (written by every model, for training) and tokens_read (the prompt each
+        sample read): what --budget-counts adds up. True: --token-budget is spent."""
         args, state, totals = self.args, self.state, self.state["totals"]
         seconds = time.time() - self.step_start
-        state["step"], state["train_seconds"] = step, state["train_seconds"] + seconds
+        state["step"] = step
+        state["train_seconds"] += seconds
         for key, value in counts.items():
             totals[key] = totals.get(key, 0) + value
-        spent = bool(args.token_budget) and totals["tokens_sampled"] >= args.token_budget
+        counted = totals["tokens_sampled"]
+        if args.budget_counts == "read+written":
+            counted += totals["tokens_read"]
+        spent = bool(args.token_budget) and counted >= args.token_budget
         record = {"step": step, **record, **counts, "step_seconds": seconds}
         if args.eval_every and step % args.eval_every == 0 and step < args.steps and not spent:
             state["last_eval"] = evaluate(self.sampler, self.tokenizer, self.eval_problems, args)

@@ -3,6 +3,7 @@
     python tests/compare.py              # the README's table (about 1 hour on a 2-core CPU)
     python tests/compare.py --plot       # also PNGs (needs matplotlib: pip install matplotlib)
     python tests/compare.py --quick      # a few minutes: the same pipeline at toy sizes (what CI runs)
+    python tests/compare.py --budget-counts read+written --output-dir runs/compare-read   # see below
 
 Each script runs in its own process, with flags, exactly as a user would run it; its peak memory (the
 process's maximum RSS) and wall time are measured from outside, so every method is measured the same way.
@@ -11,9 +12,10 @@ Training (grpo.py, passk.py, w2spo.py, sampling_evolve.py --mode train): the sam
 prompts x group size, completion length, learning rate and sampled-token budget. --token-budget stops a
 run after the step at which the tokens it sampled (wrote) for training reach the budget: each step's
 tokens_sampled in metrics.jsonl, what Run.end_step sums. A method that samples more per step
-(SamplingEvolve's evolution rounds, W2SPO's continuations) takes fewer optimizer steps. Tokens read (the
-prompt each sample reads) are not budgeted; the table shows them where the script counts them
-(sampling_evolve.py: tokens_read, evolution's long prompts included).
+(SamplingEvolve's evolution rounds, W2SPO's continuations) takes fewer optimizer steps. With
+--budget-counts read+written every script's --budget-counts is set so, and the budget (read_budget below)
+counts the prompt tokens each sample reads too (tokens_read: SamplingEvolve's long evolution prompts,
+W2SPO's states), so a method that reads long prompts pays for them.
 The task is arith-steps (verifier.py): the model writes a short working before its answer, so W2SPO has a
 middle of a trajectory to branch into, and the 135M model leaves all-wrong groups for SamplingEvolve to
 rescue. All four evaluate on the same held-out problems before (the same number for all: same seed, same
@@ -47,11 +49,13 @@ SETTINGS = {  # the shared flags of each size; the README's table comes from "fu
     "full": {"train": {"--prompts-per-step": 8, "--group-size": 8, "--micro-batch": 8, "--max-new-tokens": 48,
                        "--lr": 3e-5, "--token-budget": 15000, "--steps": 30, "--eval-problems": 32,
                        "--eval-samples": 8, "--eval-k": 4, "--eval-every": 3},
+             "read_budget": 60000,  # --budget-counts read+written: grpo.py's run reads about 4x
              "passk_k": 4,
              "search": {"problems": 20, "rounds": 3, "samples": 4, "max_new_tokens": 48, "temperature": 0.6}},
     "quick": {"train": {"--prompts-per-step": 2, "--group-size": 4, "--micro-batch": 4, "--max-new-tokens": 24,
                         "--lr": 3e-5, "--token-budget": 250, "--steps": 3, "--eval-problems": 2,
                         "--eval-samples": 4, "--eval-k": 2, "--eval-every": 1},
+              "read_budget": 1000,
               "passk_k": 2,
               "search": {"problems": 2, "rounds": 2, "samples": 2, "max_new_tokens": 24, "temperature": 0.6}},
 }
@@ -64,6 +68,8 @@ def parse_args(argv=None):
     parser.add_argument("--model", default="smollm2-135m", help="the same model for every method")
     parser.add_argument("--dataset", default="arith-steps", help="the same task for every method")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget-counts", default="written", choices=["written", "read+written"],
+                        help="what every trainer's --token-budget counts (read+written: read_budget)")
     parser.add_argument("--only", nargs="+", default=None,
                         choices=[t[0] for t in TRAINING] + ["rse_search", "evolve_search"],
                         help="run only these (the others are read back from an earlier run's output if there)")
@@ -170,8 +176,8 @@ def count(x):
     return "-" if x is None else str(x)
 
 
-def tables_markdown(train, search, search_meta):
-    lines = ["| method | steps | tokens sampled (written; the budget) | tokens read | pass@1 % before → after "
+def tables_markdown(train, search, search_meta, budget_counts="written"):
+    lines = ["| method | steps | tokens sampled (written) | tokens read | pass@1 % before → after "
              "| pass@k % before → after | all-wrong groups % | s / step | peak RSS GB | wall |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in train:
@@ -185,8 +191,8 @@ def tables_markdown(train, search, search_meta):
                      f"**{pct(row['pass@1_after'])}** | {pct(row['pass@k_before'])} → {pct(row['pass@k_after'])} "
                      f"(k={row['k']}) | {wrong} | {row['seconds_per_step']:.1f} | {row['peak_rss_gb']:.2f} | "
                      f"{row['wall_seconds'] / 60:.1f} min |")
-    lines += ["", "Tokens read: the prompt tokens each sample reads, where the script counts them (\"-\": it does "
-                  "not); tokens sampled: what --token-budget counts."]
+    lines += ["", "Tokens read: the prompt tokens each sample reads; --token-budget counted "
+                  + ("tokens sampled." if budget_counts == "written" else "tokens read + sampled.")]
     if search:
         def tokens(row, name):
             return f"{count(row[name + '_tokens_read'])} / {count(row[name + '_tokens_written'])}"
@@ -265,6 +271,8 @@ def main(argv=None):
     for name, script, own in TRAINING:
         own = own + (["--k", str(size["passk_k"])] if name == "passk" else [])
         flags = same + flag_list(size["train"]) + own
+        if args.budget_counts == "read+written":
+            flags += ["--token-budget", str(size["read_budget"]), "--budget-counts", "read+written"]
         result = run_script(script, flags, out / name) if wanted(name) else read_back(out / name)
         if result is None:
             continue
@@ -293,14 +301,14 @@ def main(argv=None):
     befores = {row["method"]: row["pass@1_before"] for row in train}
     if len(set(befores.values())) > 1:  # same seed, same weights, same problems: should never differ
         print(f"warning: the training runs started from different pass@1: {befores}", file=sys.stderr)
-    table = tables_markdown(train, search, search_meta)
+    table = tables_markdown(train, search, search_meta, args.budget_counts)
     print("\n" + table)
     import torch
     import transformers
     machine = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
                "cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()}
     result = {"settings": {"size": "quick" if args.quick else "full", "model": args.model, "dataset": args.dataset,
-                           "seed": args.seed, **size}, "machine": machine, "training": train, "search": search,
+                           "seed": args.seed, "budget_counts": args.budget_counts, **size}, "machine": machine, "training": train, "search": search,
               "search_meta": search_meta}
     (out / "compare.json").write_text(json.dumps(result, indent=1))
     (out / "compare.md").write_text(table)

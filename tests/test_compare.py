@@ -21,9 +21,12 @@ SCRIPTS = {"grpo": (grpo, test_grpo.tiny_run), "passk": (passk, test_grpo.tiny_r
            "w2spo": (w2spo, test_w2spo.tiny_run), "sampling_evolve": (sampling_evolve, test_sampling_evolve.tiny_run)}
 
 
-def step_tokens(record):
+def step_tokens(record, budget_counts="written"):
     """The tokens a step counts against --token-budget: its tokens_sampled, the count Run.end_step sums (written by
-    every model: sampling_evolve's include its evolution rounds' children, w2spo's its branches and continuations)."""
+    every model: sampling_evolve's include its evolution rounds' children, w2spo's its branches and continuations),
+    and with --budget-counts read+written its tokens_read too (the prompt each sample read)."""
+    if budget_counts == "read+written":
+        return record["tokens_sampled"] + record["tokens_read"]
     return record["tokens_sampled"]
 
 
@@ -32,24 +35,41 @@ def metrics(folder):
             for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.parametrize("budget_counts", ["written", "read+written"])
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_token_budget_stops_the_same_run_after_the_step_that_reaches_it(name, tiny_model_dir, tmp_path):
-    """A budget one token past step 1's tokens stops the run after step 2: the same two steps as the run
-    without a budget (same seed), and the summary counts the steps and tokens actually done."""
+def test_token_budget_stops_the_same_run_after_the_step_that_reaches_it(name, budget_counts, tiny_model_dir,
+                                                                        tmp_path):
+    """A budget one token past step 1's tokens (as --budget-counts counts them) stops the run after step 2: the
+    same two steps as the run without a budget (same seed), and the summary counts the steps and tokens done.
+    Step 1's tokens alone would not reach it with the other count, where reads are most of the tokens."""
     module, tiny_run = SCRIPTS[name]
     module.main(tiny_run(tiny_model_dir, tmp_path / "whole", "--steps", "3"))
     whole = metrics(tmp_path / "whole")
     assert len(whole) == 3
-    budget = step_tokens(whole[0]) + 1
-    summary = module.main(tiny_run(tiny_model_dir, tmp_path / "cut", "--steps", "3", "--token-budget", str(budget)))
+    assert all(record["tokens_read"] > 0 for record in whole)
+    budget = step_tokens(whole[0], budget_counts) + 1
+    if budget_counts == "read+written":  # the written tokens of the three steps would not reach it
+        assert sum(step_tokens(record) for record in whole) < budget
+    summary = module.main(tiny_run(tiny_model_dir, tmp_path / "cut", "--steps", "3", "--token-budget", str(budget),
+                                   "--budget-counts", budget_counts))
     cut = metrics(tmp_path / "cut")
     # approx: two runs of one seed agree to float32 rounding, not bit for bit (CPU kernels may sum in any order)
     assert cut == [pytest.approx(record, rel=1e-5, abs=1e-7) for record in whole[:2]]
     assert summary["steps"] == 2
-    assert summary["tokens_sampled"] == step_tokens(whole[0]) + step_tokens(whole[1]) >= budget
-    if name == "sampling_evolve":  # tokens read: counted beside the budget, not in it
-        assert summary["tokens_read"] == whole[0]["tokens_read"] + whole[1]["tokens_read"] > 0
+    assert summary["tokens_sampled"] == step_tokens(whole[0]) + step_tokens(whole[1])
+    assert summary["tokens_read"] == whole[0]["tokens_read"] + whole[1]["tokens_read"]
+    assert step_tokens(whole[0], budget_counts) + step_tokens(whole[1], budget_counts) >= budget
     assert summary["seconds_per_step"] == pytest.approx(summary["train_seconds"] / 2)
+
+
+@pytest.mark.parametrize("module", [grpo, passk])
+def test_tokens_read_are_the_prompt_tokens_of_every_sample(module, tiny_model_dir, tmp_path):
+    """Each of the G samples of a prompt reads the prompt once: G x P x its tokens (the tiny task's prompts
+    all have the same length: one-digit numbers)."""
+    from transformers import AutoTokenizer
+    module.main(test_grpo.tiny_run(tiny_model_dir, tmp_path, "--steps", "1"))
+    prompt = module.encode_prompt(AutoTokenizer.from_pretrained(tiny_model_dir), "What is 3 - 3?")
+    assert metrics(tmp_path)[0]["tokens_read"] == 8 * 4 * len(prompt)
 
 
 def test_negative_token_budget_is_a_one_line_error(tiny_model_dir, tmp_path):
@@ -109,8 +129,7 @@ def test_compare_quick_end_to_end(tmp_path):
         assert row["eval_curve"][0] == (0, row["pass@1_before"]) and row["peak_rss_gb"] > 0.3
         summary = json.loads((tmp_path / name / "summary.json").read_text())
         assert row["tokens_sampled"] == summary["tokens_sampled"]  # the script's own budget total
-        assert row["tokens_read"] == summary.get("tokens_read")  # only sampling_evolve counts them
-    assert rows["sampling_evolve"]["tokens_read"] > 0
+        assert row["tokens_read"] == summary["tokens_read"] > 0  # every script counts them
     assert len({row["pass@1_before"] for row in rows.values()}) == 1  # same seed, weights and problems
     search = result["search"]
     assert len(search) == compare.SETTINGS["quick"]["search"]["rounds"]
