@@ -270,9 +270,10 @@ def main(argv=None):
     train = []
     for name, script, own in TRAINING:
         own = own + (["--k", str(size["passk_k"])] if name == "passk" else [])
-        flags = same + flag_list(size["train"]) + own
+        train_flags = dict(size["train"])
         if args.budget_counts == "read+written":
-            flags += ["--token-budget", str(size["read_budget"]), "--budget-counts", "read+written"]
+            train_flags.update({"--token-budget": size["read_budget"], "--budget-counts": "read+written"})
+        flags = same + flag_list(train_flags) + own
         result = run_script(script, flags, out / name) if wanted(name) else read_back(out / name)
         if result is None:
             continue
