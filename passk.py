@@ -97,7 +97,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.k > args.group_size:
         die(f"--k {args.k} is larger than --group-size {args.group_size}: k-subsets need k")
-    smallest_group = 2 * args.k if args.passk_mode == "full" else args.k + 1  # two k-subsets
+    smallest_group = 2 * args.k if args.passk_mode == "full" else args.k + 1  # two k-subsets differ
     if args.group_size < smallest_group and args.mix == "none":  # one subset, one reward: A = 0
         die(f"--k {args.k} of --group-size {args.group_size} trains nothing (--passk-mode "
             f"{args.passk_mode}: the subsets' rewards never differ); lower --k or add --mix")
@@ -156,11 +156,11 @@ def passk_advantages_bootstrap(rewards, group_size, k, average=False, num_groups
     return advantages.reshape(-1)  # [P * G]
 
 def mix_advantages(pass1, passk, rewards, group_size, entropy=None):
-    """--mix combination (Eq. 18), c/N the group's mean reward; --mix adaptive (entropy [P] given,
-    Sec. 4): A_pass1 for the P // 2 problems that explore already (ties: the earlier first)."""
+    """--mix combination (Eq. 18), or adaptive with entropy [P] (Sec. 4): A_1 (pass1) for the P // 2
+    problems that explore already (ties: the earlier first). pass1, passk [P * G] -> [P * G]."""
     if entropy is None:
-        weight = rewards.float().view(-1, group_size).mean(dim=1).repeat_interleave(group_size)
-        return weight * passk + (1 - weight) * pass1  # c/N weight: (c/N) A_passk + (1 - c/N) A_1
+        right = rewards.float().view(-1, group_size).mean(dim=1).repeat_interleave(group_size)
+        return right * passk + (1 - right) * pass1  # right = c/N: (c/N) A_passk + (1 - c/N) A_1
     highest = torch.argsort(entropy, descending=True, stable=True)[: len(entropy) // 2]
     use_pass1 = torch.zeros(len(entropy), dtype=torch.bool)  # [P]
     use_pass1[highest] = True  # the half with the highest mean token entropy
