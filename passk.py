@@ -1,41 +1,47 @@
-"""Pass@k Training: GRPO whose advantage rewards a group of k answers for holding a right one.
+"""Pass@k Training: GRPO (Group Relative Policy Optimization) whose advantage is Pass@k's.
 
-Chen et al., "Pass@k Training for Adaptively Balancing Exploration and Exploitation of Large
-Reasoning Models" (arXiv 2508.10751). GRPO's advantage, Pass@1's (A_1 for --mix below),
+For every prompt x, sample a group of G completions y_1..y_G from the current policy, score each
+with the verifier (reward r_i in {0, 1}) and push up the completions that beat their group:
 
-    A_i = (r_i - mean(r)) / (std(r) + 1e-4)     --scale-rewards group (population std, ddof = 0)
+    A_i = (r_i - mean(r)) / (std(r) + 1e-4)     --scale-rewards group (std divides by G, not G - 1)
     A_i =  r_i - mean(r)                        --scale-rewards none (Dr. GRPO)
 
-becomes Pass@k's; nothing else changes. Of the N = G completions of a prompt, c are right (N_neg =
-N - c). A k-subset's Pass@k reward is its members' max. Take the GRPO advantage of all C(N, k)
-subsets and give each response the mean over the subsets holding it. In closed form (Eqs. 11-15):
+Every token of y_i gets A_i. A group whose rewards are all equal has A = 0 and teaches nothing
+(frac_zero_std in metrics.jsonl); --filter-groups drops such groups (DAPO's dynamic sampling,
+without refilling the batch). Sources: DeepSeekMath (GRPO); DAPO (Decoupled clip and Dynamic
+sAmpling Policy Optimization: clip-higher, eps_high > eps_low, and the token-level loss); Dr. GRPO
+(GRPO Done Right: no std, no length normalisation). To carry GRPO into another trainer, copy
+group_advantages, policy_loss and aggregate_loss; train_step shows how they are called.
+
+Pass@k Training (Chen et al., "Pass@k Training for Adaptively Balancing Exploration and Exploitation
+of Large Reasoning Models", arXiv 2508.10751) changes A_i alone. Of the N = G completions of a
+prompt, c are right (N_neg = N - c); a k-subset's reward is its members' max. A response gets the
+mean GRPO advantage of the C(N, k) subsets holding it (--passk-mode analytic, passk_group_values;
+A = 0 when sigma = 0: all right, all wrong, or N_neg < k), the GRPO advantages A_j of sampled
+subsets j (full, bootstrap), or that mixed with A_1, GRPO's A_i (--mix):
 
     R_mean = 1 - C(N_neg, k) / C(N, k)                              subsets' mean reward (Eq. 11)
     sigma  = sqrt(R_mean (1 - R_mean))                              their std (Eq. 12)
     A_pos  = (1 - R_mean) / sigma                                   a right response (Eq. 14)
     A_neg  = (1 - R_mean - C(N_neg - 1, k - 1) / C(N - 1, k - 1)) / sigma   a wrong one (Eq. 15)
-
-and A = 0 when sigma = 0 (all right, all wrong, or N_neg < k); c A_pos + N_neg A_neg = 0; k = 1 is
-GRPO. Worked table, N = 8, k = 4 (the defaults), beside GRPO (the 1e-4 left out):
-
-      c    GRPO A_pos   GRPO A_neg   Pass@k A_pos   Pass@k A_neg
+    full         A_i = A_j of i's group, one of floor(G/k) disjoint groups of k (or 0)  (Sec. 2.2)
+    bootstrap    A_i = sum of A_j over the G random k-subsets j holding i                 (Eq. 6)
+    combination  A   = (c/N) A_passk + (1 - c/N) A_1                                      (Eq. 18)
+    adaptive     A   = A_1 for the half of the problems of highest mean token entropy, else A_passk
+      c    GRPO A_pos   GRPO A_neg   Pass@k A_pos   Pass@k A_neg     N = 8, k = 4 (the defaults)
       1       2.646       -0.378        1.000         -0.143
       2       1.732       -0.577        0.522         -0.174
       3       1.291       -0.775        0.277         -0.166
       4       1.000       -1.000        0.120         -0.120
       5-7     0.775-0.378  -1.291 to -2.646     0        0
 
-It weighs hard problems, barely punishes a wrong answer and ignores problems solved more than N - k
-times: it pays for exploring. --passk-mode full (Sec. 2.2): floor(G/k) disjoint groups of k, GRPO
-across them; bootstrap (Eq. 6): G random k-subsets, a response gets the SUM of its subsets' A, about
-about k x analytic, and --bootstrap-average (their mean) close to analytic, on hard problems only:
-with G subsets per prompt both fall below as c grows (tests/test_passk.py). --mix combination (Eq. 18):
-A = (c/N) A_passk + (1 - c/N) A_1; adaptive (Sec. 4): the half of the problems with the highest
-mean token entropy get A_1, the rest A_passk. Paper: DAPO, no KL, lr 1e-6, N = 32, k = 8.
-[our choice] sigma + 1e-4 (grpo.py's; the authors add 1e-6), so --k 1 is grpo.py exactly with
---scale-rewards group (the Pass@k advantage is always divided by sigma: --scale-rewards sets A_1
-of --mix only). --k G trains nothing (every k-subset is the whole group): refused without --mix.
---filter-groups drops the groups whose advantages are all 0: equal rewards, and c > N - k.
+c A_pos + N_neg A_neg = 0, and k = 1 is GRPO. Pass@k weighs hard problems, barely punishes a wrong
+answer and ignores problems solved more than N - k times: it pays for exploring. On hard problems
+bootstrap's sum is about k x analytic, its mean (--bootstrap-average) close to it. Paper: DAPO, no
+KL, lr 1e-6, N = 32, k = 8. [our choice] sigma + 1e-4 (grpo.py's; the authors add 1e-6), so --k 1 is
+grpo.py exactly with --scale-rewards group (which sets only A_1 of --mix); --filter-groups also
+drops the groups with c > N - k. To carry Pass@k into another GRPO trainer, copy passk_group_values
+and passk_advantages in place of group_advantages; passk_training_advantages calls the other modes.
 
 The update (policy_loss, aggregate_loss, train_step):
     rho_i,t = pi_theta(y_i,t | x, y_i,<t) / pi_old(y_i,t | x, y_i,<t)
@@ -57,8 +63,8 @@ The update (policy_loss, aggregate_loss, train_step):
 
 Run:
     python passk.py                     # offline default: analytic advantage, k = 4 of G = 8
-    python passk.py --passk-mode bootstrap --bootstrap-average   # or --mix adaptive
-    python passk.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset train.jsonl --group-size 32 --k 8
+    python passk.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset train.jsonl \
+        --eval-dataset test.jsonl
 """
 import argparse
 import importlib.util
@@ -91,9 +97,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.k > args.group_size:
         die(f"--k {args.k} is larger than --group-size {args.group_size}: k-subsets need k")
-    full_groups = args.group_size // args.k  # --passk-mode full: disjoint groups of k
-    one_subset = args.k == args.group_size or (args.passk_mode == "full" and full_groups < 2)
-    if one_subset and args.mix == "none":  # every group's k-subsets have one reward: A = 0
+    smallest_group = 2 * args.k if args.passk_mode == "full" else args.k + 1  # two k-subsets differ
+    if args.group_size < smallest_group and args.mix == "none":  # one subset, one reward: A = 0
         die(f"--k {args.k} of --group-size {args.group_size} trains nothing (--passk-mode "
             f"{args.passk_mode}: the subsets' rewards never differ); lower --k or add --mix")
     if args.bootstrap_average and args.passk_mode != "bootstrap":
@@ -102,81 +107,76 @@ def parse_args(argv=None):
 
 # ------------------------------------------------------------------------ the method: advantages
 def passk_group_values(n, c, k, eps=1e-4):
-    """(A_pos, A_neg) of a group of n responses with c right ones (Eqs. 11-15). The share of
-    all-wrong subsets q = C(N_neg, k) / C(N, k) = 1 - R_mean is a ratio of exact integers, so a tiny
-    q is not lost to the cancellation in 1 - R_mean."""
-    q = math.comb(n - c, k) / math.comb(n, k)  # Eq. 11: 1 - R_mean
-    sigma = math.sqrt(q * (1 - q))  # Eq. 12
+    """(A_pos, A_neg) of n responses with c right (Eqs. 11-15). q = 1 - R_mean is a ratio of exact
+    integers, so a tiny q is not lost to the cancellation in 1 - R_mean."""
+    q = math.comb(n - c, k) / math.comb(n, k)  # 1 - R_mean = C(N_neg, k) / C(N, k)   (Eq. 11)
+    sigma = math.sqrt(q * (1 - q))  # sigma = sqrt(R_mean (1 - R_mean))   (Eq. 12)
     if sigma == 0:  # all right, all wrong, or N_neg < k: every subset scores the same
         return 0.0, 0.0
     # A wrong response's subsets are all wrong with probability C(N_neg-1, k-1) / C(N-1, k-1).
     wrong_alone = math.comb(n - c - 1, k - 1) / math.comb(n - 1, k - 1)
-    return q / (sigma + eps), (q - wrong_alone) / (sigma + eps)  # Eqs. 14, 15
-
+    a_pos = q / (sigma + eps)  # A_pos = (1 - R_mean) / sigma = q / sigma   (Eq. 14)
+    a_neg = (q - wrong_alone) / (sigma + eps)  # A_neg = (q - wrong_alone) / sigma   (Eq. 15)
+    return a_pos, a_neg
 
 def passk_advantages(rewards, group_size, k, eps=1e-4):
-    """Analytic Pass@k advantages: rewards [P * G] of 0/1, each group of G consecutive -> [P * G].
-
-    Worked example, G = 4, k = 2, rewards [1, 0, 0, 0]: R_mean = 1 - C(3,2)/C(4,2) = 0.5, sigma =
-    0.5, A_pos = 1, A_neg = (0.5 - C(2,1)/C(3,1)) / 0.5 = -1/3: A = [1, -0.33, -0.33, -0.33]."""
+    """Pass@k advantages in closed form: 0/1 rewards [P * G], groups of G consecutive -> [P * G]."""
     grouped = rewards.float().view(-1, group_size)  # [P, G]
     if not ((grouped == 0) | (grouped == 1)).all():
         raise ValueError("Pass@k advantages need rewards in {0, 1}")
     table = torch.tensor([passk_group_values(group_size, c, k, eps) for c in range(group_size + 1)])
-    values = table[grouped.sum(dim=1).long()]  # [P, 2]: (A_pos, A_neg) of each group
+    values = table[grouped.sum(dim=1).long()]  # [P, 2]: (A_pos, A_neg) of each group, by its c
     return torch.where(grouped == 1, values[:, :1], values[:, 1:]).reshape(-1)  # [P * G]
-
 
 def passk_advantages_full(rewards, group_size, k):
     """Sec. 2.2: floor(G/k) disjoint groups of k consecutive responses, group reward = max, GRPO
     advantage across the groups, shared by their members; leftovers get 0. [P * G] -> [P * G].
-    Worked example, G = 6, k = 2, rewards [1, 0, 0, 0, 1, 1]: groups score [1, 0, 1], normalised
-    [0.71, -1.41, 0.71], so A = [0.71, 0.71, -1.41, -1.41, 0.71, 0.71]."""
-    grouped, m = rewards.float().view(-1, group_size), group_size // k  # [P, G]
+    Example: G = 6, k = 2, rewards [1, 0, 0, 0, 1, 1]: A = [.71, .71, -1.41, -1.41, .71, .71]."""
+    grouped = rewards.float().view(-1, group_size)  # [P, G]
+    m = group_size // k  # disjoint groups per prompt
     group_reward = grouped[:, : m * k].reshape(-1, m, k).amax(dim=2)  # [P, m]
+    group_adv = group_advantages(group_reward.reshape(-1), m).view(-1, m)  # A_j   [P, m]
     advantages = torch.zeros_like(grouped)  # [P, G]
-    advantages[:, : m * k] = group_advantages(group_reward.reshape(-1), m).view(-1, m).repeat_interleave(k, 1)
+    advantages[:, : m * k] = group_adv.repeat_interleave(k, dim=1)  # A_i = A_j of i's group
     return advantages.reshape(-1)  # [P * G]
 
-
 def passk_advantages_bootstrap(rewards, group_size, k, average=False, num_groups=None):
-    """Sec. 2.3, Eq. 6: per prompt num_groups (default G) random k-subsets, group reward = max,
-    GRPO advantage across them; a response gets the sum of its subsets' advantages (average=True:
-    their mean; 0 in none). [P * G] -> [P * G]. Draws from torch's global generator."""
+    """Sec. 2.3, Eq. 6, over num_groups (default G) random k-subsets per prompt; average=True: the
+    mean, not the sum (0 in none). [P * G] -> [P * G]. Draws from torch's global generator."""
     grouped = rewards.float().view(-1, group_size)  # [P, G]
-    P, M = grouped.shape[0], num_groups or group_size
+    P = grouped.shape[0]
+    M = num_groups or group_size  # subsets per prompt
     picks = torch.rand(P, M, group_size).argsort(dim=2)[:, :, :k]  # [P, M, k]: a random k-subset
     member = torch.zeros(P, M, group_size).scatter_(2, picks, 1.0)  # [P, M, G]: i is in subset j
     group_reward = grouped.gather(1, picks.reshape(P, M * k)).view(P, M, k).amax(dim=2)  # [P, M]
-    advantages = (member * group_advantages(group_reward.reshape(-1), M).view(P, M, 1)).sum(1)  # [P, G]
+    subset_adv = group_advantages(group_reward.reshape(-1), M).view(P, M, 1)  # A_j   [P, M, 1]
+    advantages = (member * subset_adv).sum(dim=1)  # A_i = sum of A_j, j holding i (Eq. 6)  [P, G]
     if average:
         advantages = advantages / member.sum(dim=1).clamp(min=1)  # [P, G]
     return advantages.reshape(-1)  # [P * G]
 
-
 def mix_advantages(pass1, passk, rewards, group_size, entropy=None):
-    """--mix combination (Eq. 18): A = (c/N) A_passk + (1 - c/N) A_pass1, c/N the group's mean
-    reward. --mix adaptive (entropy [P] given, Sec. 4): the P // 2 problems of highest entropy get
-    A_pass1 (they explore already; ties: the earlier first), the others A_passk. All [P * G]."""
-    pass1, passk = pass1.view(-1, group_size), passk.view(-1, group_size)  # [P, G]
+    """--mix combination (Eq. 18), or adaptive with entropy [P] (Sec. 4): A_1 (pass1) for the P // 2
+    problems that explore already (ties: the earlier first). pass1, passk [P * G] -> [P * G]."""
     if entropy is None:
-        weight = rewards.float().view(-1, group_size).mean(dim=1, keepdim=True)  # [P, 1]
-        return (weight * passk + (1 - weight) * pass1).reshape(-1)
+        right = rewards.float().view(-1, group_size).mean(dim=1).repeat_interleave(group_size)
+        return right * passk + (1 - right) * pass1  # right = c/N: (c/N) A_passk + (1 - c/N) A_1
+    highest = torch.argsort(entropy, descending=True, stable=True)[: len(entropy) // 2]
     use_pass1 = torch.zeros(len(entropy), dtype=torch.bool)  # [P]
-    use_pass1[torch.argsort(entropy, descending=True, stable=True)[: len(entropy) // 2]] = True
-    return torch.where(use_pass1[:, None], pass1, passk).reshape(-1)  # [P * G]
-
+    use_pass1[highest] = True  # the half with the highest mean token entropy
+    return torch.where(use_pass1.repeat_interleave(group_size), pass1, passk)  # A_1, else A_passk
 
 @torch.no_grad()
 def problem_entropy(model, prompts, samples, args):
     """Mean token entropy of each problem's responses under the policy: [P] (--mix adaptive)."""
-    ids, attention, mask = build_batch([prompts[i // args.group_size] for i in range(len(samples))],
-                                       [s["ids"] for s in samples], model.generation_config.pad_token_id)
-    entropy = token_logprobs(model, ids.to(model.device), attention.to(model.device), mask.shape[1],
-                             args.temperature, args.micro_batch, True, getattr(torch, args.dtype))[1]
+    rows = [prompts[i // args.group_size] for i in range(len(samples))]  # each response's prompt
+    pad_id = model.generation_config.pad_token_id
+    ids, attention, mask = build_batch(rows, [s["ids"] for s in samples], pad_id)  # mask [B, t]
+    dtype = getattr(torch, args.dtype)
+    _, entropy = token_logprobs(model, ids.to(model.device), attention.to(model.device),
+                                mask.shape[1], args.temperature, args.micro_batch, True, dtype)
     per_response = (entropy.cpu() * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B]
     return per_response.view(-1, args.group_size).mean(dim=1)  # [P]
-
 
 def passk_training_advantages(rewards, args, entropy=None):
     """The advantage trained, as --passk-mode and --mix choose: rewards [P * G] -> [P * G]."""
@@ -191,7 +191,6 @@ def passk_training_advantages(rewards, args, entropy=None):
         return passk
     pass1 = group_advantages(rewards, G, args.scale_rewards)  # A_1
     return mix_advantages(pass1, passk, rewards, G, entropy)
-
 
 def group_advantages(rewards, group_size, scale="group"):
     """rewards [P * G], each group of G consecutive -> advantages [P * G].
@@ -318,7 +317,8 @@ def main(argv=None):
         texts = run.tokenizer.batch_decode([s["ids"] for s in samples], skip_special_tokens=True)
         golds = [p["answer"] for p in problems for _ in range(G)]
         rewards = torch.tensor([verifier.reward(t, g) for t, g in zip(texts, golds)])  # [P * G]
-        entropy = problem_entropy(run.model, prompts, samples, args) if args.mix == "adaptive" else None
+        adaptive = args.mix == "adaptive"  # it needs each problem's mean token entropy
+        entropy = problem_entropy(run.model, prompts, samples, args) if adaptive else None  # [P]
         advantages = passk_training_advantages(rewards, args, entropy)  # [P * G]
         zero_std = rewards.view(-1, G).std(dim=1) == 0  # [P]
         dead = (advantages.view(-1, G) == 0).all(dim=1)  # [P]: equal rewards, or c > N - k
@@ -332,8 +332,8 @@ def main(argv=None):
                   "frac_zero_std": zero_std.float().mean().item(),
                   "all_wrong_frac": (rewards.view(-1, G).sum(dim=1) == 0).float().mean().item(),
                   "completion_len_mean": float(np.mean(lengths)),
-                  "truncated_frac": float(np.mean([s["truncated"] for s in samples])), **stats,
-                  "frac_zero_adv": (advantages == 0).float().mean().item()}
+                  "truncated_frac": float(np.mean([s["truncated"] for s in samples])), **stats}
+        record["frac_zero_adv"] = (advantages == 0).float().mean().item()
         tokens_read = G * sum(map(len, prompts))  # each sample reads its prompt
         if run.end_step(step, record, tokens_sampled=sum(lengths), tokens_read=tokens_read):
             break  # --token-budget spent

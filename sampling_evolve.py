@@ -1,54 +1,52 @@
 """SamplingEvolve: sampling conditioned on the model's own earlier attempts and their feedback.
 
-Li, Zeng, Ma, Song, Jia, "SamplingEvolve" (2025). Only the opening of the source survives: instead
+Li, Zeng, Ma, Song, Jia, "SamplingEvolve" (2025); only the opening of the source survives. Instead
 of independent samples y ~ pi_theta(.|x), store the model's attempts with their evaluation feedback
-(explicit storage and reuse of experience) and sample new attempts conditioned on them, so that the
-attempts form an evolution tree over rounds. Used two ways: a search (--mode search, no training),
-and GRPO that rescues the groups in which no sample was right (--mode train, the default).
+and sample new attempts conditioned on them: over rounds the attempts form an evolution tree. Used
+as a search (--mode search, no training) and in GRPO, to rescue the groups with no right sample.
 
     round 0:  y ~ pi_theta(.|x)                          --group-size K independent attempts
     round r:  y ~ pi_theta(.|E(x, S)), S = select(D_x)   --children per problem, --rounds rounds
     D_x      <- D_x + {(y, a(y), r(y), f(y), parents, round)}   the problem's database (a: answer)
     f(y)      = "The final answer 21 is incorrect."      verifier.feedback (never the gold answer)
-    E(x, S)   = x; each parent's attempt (its last --max-attempt-chars characters) and verdict f;
-                "Ruled out:" every distinct wrong final answer in D_x; x again, so that x's own
-                answer format ("Answer with just the number.") is the last instruction
+    E(x, S)   = x; each parent's last --max-attempt-chars characters and verdict f; "Ruled out:"
+                every distinct wrong final answer in D_x; x again (its answer format last)
 
 Everything after the opening is ours [our choice]:
   * select(D_x) (select_parents): up to --n-parents wrong attempts of all D_x, one per distinct
     final answer first, in random order, then the rest (0/1 rewards: no "best" attempt to prefer).
-  * No prompt holds the gold answer: a problem stops evolving at its first right attempt, parents
-    and the ruled-out list are wrong attempts only, the template's own text has no digit, and a
-    child that copies a prompt label ("Attempt:", "Verdict:", "Ruled out:") is cut there
-    (drop_copied_scaffold). But f(y) and the ruled-out list are made against the gold answer: the
-    search's "solved" is Pass@N with an oracle checker, not an accuracy one could deploy.
+  * No prompt holds the gold answer: evolving stops at a problem's first right attempt, parents and
+    ruled-out answers are wrong attempts only, the template has no digit, and a child copying a
+    prompt label ("Attempt:", "Verdict:", "Ruled out:") is cut there (drop_copied_scaffold).
   * --mode search (search), on held-out problems: round 0 (K samples of x per problem) is shared;
     then each round, for every problem an arm has not solved: evolve, --children children;
     independent, --children samples of x (the source's Pass@N); same tokens, samples of x up to
-    evolution's tokens read + written. Each arm has its own seeded stream (seed_arm; on HF only).
+    evolution's tokens read + written. With --backend hf each arm has its own seeded stream.
+    Evolve's verdicts f(y) are made against the gold answer: an oracle checker the other arms lack.
 
---mode train (main) is GRPO (Group Relative Policy Optimization, grpo.py) with a rescue:
+--mode train (main, the default) is GRPO (Group Relative Policy Optimization) with a rescue:
 For every prompt x, sample a group of G completions y_1..y_G from the current policy, score each
 with the verifier (reward r_i in {0, 1}) and push up the completions that beat their group:
 
-    A_i = (r_i - mean(r)) / (std(r) + 1e-4)     --scale-rewards group (population std, ddof = 0)
+    A_i = (r_i - mean(r)) / (std(r) + 1e-4)     --scale-rewards group (std divides by G, not G - 1)
     A_i =  r_i - mean(r)                        --scale-rewards none (Dr. GRPO)
 
 Every token of y_i gets A_i. A group whose rewards are all equal has A = 0 and teaches nothing
 (frac_zero_std in metrics.jsonl); --filter-groups drops such groups (DAPO's dynamic sampling,
-without refilling the batch). Sources: DeepSeekMath (GRPO), DAPO (clip-higher, token-level loss,
-dynamic sampling), Dr. GRPO (no std, no length normalisation).
-The steps of main: (1) the groups, scored; (2) a group with no right sample is evolved, its G
-samples round 0 of this visit to D_x; (3) up to --rounds rounds while it has no right attempt
-(evolve_round); (4) up to --max-evolved right children replace its last samples (join_evolved)
-as answers to the BARE prompt: x's chat-template ids, then the child's; (5) A_i, the update.
+without refilling the batch). Sources: DeepSeekMath (GRPO); DAPO (Decoupled clip and Dynamic
+sAmpling Policy Optimization: clip-higher, eps_high > eps_low, and the token-level loss); Dr. GRPO
+(GRPO Done Right: no std, no length normalisation). To carry GRPO into another trainer, copy
+group_advantages, policy_loss and aggregate_loss; train_step shows how they are called.
 
-The databases persist across steps and --resume. A rescued y came from pi_theta(.|E) and is trained
-as the policy's own answer to x (ratio 1 at --ppo-epochs 1), without the weight pi_theta(y|x) /
-pi_theta(y|E) (evolved_logp_gap_mean: the mean of its log over rescued rows, before the update): in
-effect reward-weighted fine-tuning on an off-policy answer, a gradient where there was none (G = 8,
-one rescue: A = [2.65, -0.38 x 7]), and its bias. To carry the rescue into another GRPO trainer,
-copy the evolution section (Attempt to join_evolved) and steps (2)-(4) of main.
+The steps of main: (1) the groups, scored; (2) a group with no right sample is evolved, its G
+samples round 0 of this visit to D_x (kept across steps and --resume); (3) up to --rounds rounds
+while it has no right attempt (evolve_round); (4) up to --max-evolved right children replace its
+last samples (join_evolved) as answers to the BARE prompt x; (5) A_i, the update. To carry the
+rescue into another GRPO trainer, copy the evolution section (Attempt to join_evolved) and steps
+(2)-(4). A rescued y came from pi_theta(.|E) but is trained as the policy's answer to x (ratio 1 at
+--ppo-epochs 1), without the weight pi_theta(y|x) / pi_theta(y|E) (evolved_logp_gap_mean: its log,
+averaged over rescued rows, before the update): reward-weighted fine-tuning on an off-policy answer,
+with its bias, but a gradient where there was none (G = 8, one rescue: A = [2.65, -0.38 x 7]).
 
 The update (policy_loss, aggregate_loss, train_step):
     rho_i,t = pi_theta(y_i,t | x, y_i,<t) / pi_old(y_i,t | x, y_i,<t)
@@ -285,7 +283,7 @@ def same_tokens_top_up(sampler, tokenizer, problems, bare, arm, target, args):
         sample_bare(sampler, tokenizer, problems, bare, arm, todo, affordable // len(todo), args)
 
 def seed_arm(seed, arm, round_):
-    """An arm's round seeded from (--seed, arm, round): no other arm moves its draws (HF only)."""
+    """An arm's round seeded from (--seed, arm, round): no other arm moves its draws (hf only)."""
     derived = int(np.random.SeedSequence([seed, arm, round_]).generate_state(1)[0])
     random.seed(derived)
     torch.manual_seed(derived)  # CUDA's generators too
@@ -300,7 +298,9 @@ def search(args):
                if getattr(args, k) != defaults[k] and k != "group_size"]  # K of round 0: used
     if ignored:
         print(f"warning: {', '.join(ignored)}: --mode train only, ignored", file=sys.stderr)
-    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)  # as Run
+    random.seed(args.seed)  # as Run seeds a training run
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
     try:
         problems = verifier.load_problems(
             args.eval_dataset or args.dataset, "test", None, args.seed,
