@@ -93,7 +93,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # see the docstring
     add_common_args(parser)
     add_training_args(parser)  # GRPO's own among them: --scale-rewards, --eps-*, --loss-agg, --beta
-    parser.epilog = "--token-budget counts tokens written; tokens_read is logged beside it"
+    parser.epilog = "tokens_read and --budget-counts read+written count evolution's prompts too"
     parser.set_defaults(steps=10)  # [our choice] evolution's extra sampling: a CPU run stays short
     add = parser.add_argument
     add("--mode", default="train", choices=["train", "search"],
@@ -529,8 +529,9 @@ def main(argv=None):
             for attempt in db:
                 attempt.ids = attempt.prompt = None
         trees.flush()
-        if run.end_step(step, record, tokens_sampled=sum(lengths) + evolve_written,  # the budget's
-                        tokens_read=G * sum(map(len, prompts)) + evolve_read,
+        tokens_read = G * sum(map(len, prompts))  # each sample reads its prompt
+        if run.end_step(step, record, tokens_sampled=sum(lengths) + evolve_written,
+                        tokens_read=tokens_read + evolve_read,  # evolution's prompts too
                         evolve_tokens_read=evolve_read, evolve_tokens_written=evolve_written,
                         all_wrong_groups=len(all_wrong), evolved_trained=len(rescues),
                         rescued_groups=sum(solved(db, s) for db, s in zip(dbs, since))):
