@@ -22,7 +22,7 @@ rescue. All four evaluate on the same held-out problems before (the same number 
 weights), every --eval-every steps, and after.
 
 Search (rse_search.py, sampling_evolve.py --mode search): no training, the same held-out problems, the
-same solver samples a problem (RSE: R rounds x K; SamplingEvolve: K first samples, then C children in
+same solver samples per problem (RSE: R rounds x K; SamplingEvolve: K first samples, then C children in
 each of R - 1 rounds, with K = C) at the same temperature, with top-p and top-k off for both. Each carries
 its own plain-sampling baseline of the same sample count (SamplingEvolve also one of the same tokens read
 + written). Per round: solved so far, and tokens read and written so far, for every method and baseline
@@ -138,7 +138,7 @@ def training_row(name, summary, measured, metrics, prompts_per_step):
 
 
 def search_rows(rse, evolve):
-    """Per round: samples a problem so far; for both methods and their baselines the cumulative solved rate and
+    """Per round: samples per problem so far; for both methods and their baselines the cumulative solved rate and
     tokens read and written so far. RSE's summary counts each round's tokens: its solver's, and its distiller's,
     which builds the NEXT round's bank, so row r sums the solver of rounds 0..r and the distiller of rounds
     0..r - 1 (what was spent to reach row r's solved); its round 0 draws --first-round-samples (K_0), later
@@ -196,7 +196,7 @@ def tables_markdown(train, search, search_meta, budget_counts="written"):
     if search:
         def tokens(row, name):
             return f"{count(row[name + '_tokens_read'])} / {count(row[name + '_tokens_written'])}"
-        lines += ["", "| round | samples a problem | RSE pass@1 % (its baseline) | RSE solved % | RSE tokens read / "
+        lines += ["", "| round | samples per problem | RSE pass@1 % (its baseline) | RSE solved % | RSE tokens read / "
                       "written | its plain baseline solved % | its tokens read / written | SamplingEvolve solved % "
                       "| SamplingEvolve tokens read / written | its independent baseline solved % | its tokens read / "
                       "written | its same-tokens baseline solved % | its tokens read / written |",
@@ -249,7 +249,7 @@ def plot(train, search, folder):
                                   ("evolve_solved", "SamplingEvolve", "s-"),
                                   ("independent_solved", "SamplingEvolve's independent baseline", "s--")):
             ax.plot(x, [row[key] for row in search], style, label=label)
-        ax.set(xlabel="solver samples a problem", ylabel="solved (cumulative)", title="search, by round",
+        ax.set(xlabel="solver samples per problem", ylabel="solved (cumulative)", title="search, by round",
                ylim=(-0.02, 1.02))
         ax.set_xticks(x)
         ax.grid(alpha=0.3)
