@@ -1,4 +1,4 @@
-"""W2SPO: weak-to-strong off-policy RL through short auxiliary branches, in one file.
+"""W2SPO: weak-to-strong off-policy reinforcement learning through auxiliary branches, in one file.
 
 Wang et al., "It Takes 8 Tokens: Weak-to-Strong Off-Policy RL via Auxiliary Branches" (arXiv
 2607.16205). On a hard prompt the G samples often fall into one wrong "reasoning basin": equal
@@ -20,8 +20,8 @@ Every token of y_i gets A_i. A group whose rewards are all equal has A = 0 and t
 without refilling the batch). Sources: DeepSeekMath (GRPO); DAPO (Decoupled clip and Dynamic
 sAmpling Policy Optimization: clip-higher, eps_high > eps_low, and the token-level loss); Dr. GRPO
 (GRPO Done Right: no std, no length normalisation). To carry W2SPO into another GRPO trainer, copy
-Branch, branch_candidates, sample_within, sample_groups (steps 1-5), score_aux_branches,
-importance_weights and policy_loss; train_step shows how they are called (its lines after "W2SPO").
+Branch, branch_candidates, sample_within, sample_groups (steps 1-5), branch_logprobs, load_aux,
+score_aux_branches, importance_weights, policy_loss; see train_step's lines after "W2SPO" and main.
 
 Trained are the branch tokens y_i of both models, nothing else. The paper's "updates restricted to
 the inserted segments" may also mean the auxiliary's alone; its ablation, target-only branches, is
@@ -56,11 +56,11 @@ The update (policy_loss, aggregate_loss, train_step):
     branch     w = min(prod_t pi_old / pi_aux, C), one weight per branch
     clip       w = 1, rho = pi_theta / pi_aux. A token with rho > 1 + eps_high and A > 0 gets no
                gradient; one with rho >> 1 and A < 0 an unbounded one (--dual-clip c bounds its
-               loss by -c A: Ye et al. 2020's dual-clip PPO)
+               loss by -c A: the dual-clip PPO, proximal policy optimization, of Ye et al. 2020)
     none       w = 1: as if the target had sampled it (S2L-PO's code)
-  and v = min(pi_old / pi_aux, C) (1 under none), as k3 holds on tokens pi_theta sampled. The
-  per-token weight is an approximation: the branch's earlier tokens, and so the reward, came from
-  pi_aux too; branch weighs the whole branch, at a larger variance.
+  and v = min(pi_old / pi_aux, C) (1 under none), as k3 of the Kullback-Leibler divergence (KL)
+  holds on tokens pi_theta sampled. The per-token weight is an approximation: the branch's earlier
+  tokens, and so the reward, came from pi_aux too; branch weighs the whole branch (more variance).
 
 [our choice] (the paper's method section is not available; each is a flag):
   * one prefix rollout per prompt, not a group member; B_a = G/2 (--aux-branches).
@@ -105,7 +105,7 @@ def parse_args(argv=None):
     add("--branch-len", type=bounded(int, 1), default=8, help="L: tokens per branch (trained)")
     add("--branch-at", default="uniform", choices=["uniform", "entropy"], help="branch point")
     add("--branch-range", type=float, nargs=2, default=[0.2, 0.8], metavar=("LOW", "HIGH"),
-        help="where a branch may start, in fractions of the prefix rollout (before its EOS)")
+        help="where a branch may start, in fractions of the prefix rollout (before its stop id)")
     add("--aux-is", default="truncated", choices=["truncated", "branch", "clip", "none"],
         help="importance sampling of auxiliary tokens (docstring; the README measures them)")
     add("--is-cap", type=positive, default=2.0, help="C: caps w (truncated, branch) and v (--beta)")
@@ -148,18 +148,18 @@ def branch_candidates(rollout, stop_ids, branch_range):
     rollout's tokens before its stop id (at b it is not done yet). n = 30, 0.2 0.8: b in 6..24."""
     written, truncated = cut_at_eos(rollout, stop_ids)
     n = len(written) if truncated else len(written) - 1  # the tokens before the stop id
-    lowest = max(1, math.ceil(branch_range[0] * n))
-    highest = min(n - 1, math.floor(branch_range[1] * n))
+    lowest = max(1, math.ceil(branch_range[0] * n))  # b >= LOW n, b >= 1
+    highest = min(n - 1, math.floor(branch_range[1] * n))  # b <= HIGH n, b <= n - 1
     return list(range(lowest, highest + 1))
 
 def sample_within(sampler, prompts, budgets, temperature):
     """One sample per prompt, row i within budgets[i] tokens: the sampler's dicts, and "sampled":
-    the tokens generated (vLLM samples every row to the largest budget: all count, excess cut)."""
+    the tokens generated, all counted (vLLM runs every row to the largest budget, then cuts it)."""
     if not prompts:
         return []
     vllm = sampler.backend == "vllm"
     options = {}
-    if not vllm:  # HF: stop each row at its own budget (tokens generated = width past the prompts)
+    if not vllm:  # Hugging Face generate: each row stops at its own budget (width past the prompts)
         width = max(map(len, prompts))  # the prompts are left-padded to this width
         limit = torch.tensor(budgets, device=sampler.model.device)  # [rows]
         options["stopping_criteria"] = [lambda ids, scores, **_: ids.shape[1] - width >= limit]
@@ -211,7 +211,7 @@ def sample_groups(sampler, aux_sampler, tokenizer, prompts, problems, args):
     budgets += [N - branch.prefix_len - len(branch.ids) for branch in still_open]
     target_samples = sample_within(sampler, starts, budgets, args.temperature)
     for branch, sample in zip(still_open, target_samples[len(states) * B_t:]):
-        branch.continuation = sample["ids"]
+        branch.continuation = sample["ids"]  # 4. c ~ pi_theta(. | s, y)
         branch.truncated = sample["truncated"]  # used all --max-new-tokens without a stop id
     branches = []
     for k, (i, b) in enumerate(kept):
@@ -449,7 +449,7 @@ def main(argv=None):
     run = Run(args)  # Run (below): data, policy, sampler, optimizer, logs
     G = args.group_size
     aux_sampler = Sampler("hf", aux_model.to(run.device, run.compute_dtype), run.tokenizer, None,
-                          run.compute_dtype, "--aux-model")  # frozen, compute precision; HF
+                          run.compute_dtype, "--aux-model")  # frozen, compute precision
     for step, problems, prompts in run.steps():
         branches, counts = sample_groups(run.sampler, aux_sampler, run.tokenizer, prompts,
                                          problems, args)  # 1.-5.: K * G, with their rewards
