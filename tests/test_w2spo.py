@@ -315,6 +315,17 @@ def test_the_kl_term_of_auxiliary_tokens_is_importance_weighted(tiny_model_dir, 
                        ref_model=fresh(aux_model_dir))
     want.backward()
     torch.testing.assert_close(grads(model), grads(hand), atol=1e-6, rtol=1e-4)
+    # the logged kl is the same weighted estimate, v k3, over the branch tokens
+    policy, ref_model, aux_model = fresh(tiny_model_dir), fresh(aux_model_dir), fresh(aux_model_dir)
+    terms = []
+    with torch.no_grad():
+        for b in branches:
+            lp, ref = on_branch(policy, b), on_branch(ref_model, b)
+            v = torch.ones_like(lp)
+            if b["aux"] and mode != "none":
+                v = torch.exp(lp - on_branch(aux_model, b, 1.3)).clamp(max=1.1)
+            terms.append(v * (torch.exp(ref - lp) - (ref - lp) - 1))
+    assert stats["kl"] == pytest.approx(torch.cat(terms).mean().item(), rel=1e-4)
 
 
 def test_the_modes_differ_on_the_same_rows(tiny_model_dir, aux_model_dir):
