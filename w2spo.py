@@ -1,93 +1,80 @@
-"""W2SPO: weak-to-strong off-policy RL through short auxiliary branches, in one file.
+"""W2SPO: weak-to-strong off-policy reinforcement learning through auxiliary branches, in one file.
 
 Wang et al., "It Takes 8 Tokens: Weak-to-Strong Off-Policy RL via Auxiliary Branches" (arXiv
 2607.16205). On a hard prompt the G samples often fall into one wrong "reasoning basin": equal
-rewards, no signal. A weaker auxiliary model diverts the target in the middle of its reasoning, the
-target finishes from there, and only the short branches are trained. Per prompt x (the steps are
-numbered as in sample_groups and main):
+rewards, no signal. A weaker auxiliary model diverts the target in the middle of its reasoning, and
+the target finishes from there. Per prompt x (the steps are numbered as in sample_groups and main):
 
  1. q           ~ pi_theta(. | x)        one target prefix rollout; n: its tokens before its stop id
  2. b           in [LOW n, HIGH n], 1 <= b <= n - 1   the branch point (--branch-at, --branch-range)
-    s           = x + q[:b]              the state all branches of x start from
+    s           = x + q[:b]              the state; a prompt without a b has no group (K of P kept)
  3. y_1..y_Bt   ~ pi_theta(. | s)        B_t = G - B_a target branches of <= L tokens (--branch-len)
     y_Bt+1..y_G ~ pi_aux(. | s)          B_a auxiliary branches (--aux-model, --aux-branches)
  4. c_i         ~ pi_theta(. | s, y_i)   the target continues (not after a stop id in y_i)
- 5. r_i         = reward(q[:b] + y_i + c_i)     the group of G branches
- 6. A_i = (r_i - mean(r)) / (std(r) + 1e-4)     --scale-rewards group (population std, ddof = 0)
+ 5. r_i         = reward(q[:b] + y_i + c_i)     the group of G branches; 6. its advantages:
+    A_i = (r_i - mean(r)) / (std(r) + 1e-4)     --scale-rewards group (std divides by G, not G - 1)
     A_i =  r_i - mean(r)                        --scale-rewards none (Dr. GRPO)
 
 Every token of y_i gets A_i. A group whose rewards are all equal has A = 0 and teaches nothing
 (frac_zero_std in metrics.jsonl); --filter-groups drops such groups (DAPO's dynamic sampling,
-without refilling the batch). Sources: DeepSeekMath (GRPO), DAPO (clip-higher, token-level loss,
-dynamic sampling), Dr. GRPO (no std, no length normalisation).
+without refilling the batch). Sources: DeepSeekMath (GRPO); DAPO (Decoupled clip and Dynamic
+sAmpling Policy Optimization: clip-higher, eps_high > eps_low, and the token-level loss); Dr. GRPO
+(GRPO Done Right: no std, no length normalisation). To carry W2SPO into another GRPO trainer, copy
+Branch, branch_candidates, sample_within, sample_groups (steps 1-5), branch_logprobs, load_aux,
+score_aux_branches, importance_weights, policy_loss; see train_step's lines after "W2SPO" and main.
 
-A prompt whose rollout allows no b (n < 2, or no integer in the range) has no group: K of the P
-prompts are kept. Trained are the branch tokens y_i of both models, nothing else: the prefix and
-the continuation are context (the worked example pushes the target's branches down). The paper's
-"updates restricted to the inserted segments" may also mean the auxiliary's alone; its ablation,
-target-only branches, is --aux-branches 0. Auxiliary tokens are off-policy: pi_aux, the
-distribution the auxiliary sampled from (at --aux-temperature), is not pi_old. --aux-is sets their
-w and rho in the update below (the target's tokens: w = 1, rho = pi_theta / pi_old):
-    truncated  w = min(pi_old / pi_aux, C) (--is-cap; verl's truncated IS), rho = pi_theta / pi_old;
-               pi_old is the policy at sampling time, fixed for all --ppo-epochs
-    branch     w = min(prod_t pi_old / pi_aux, C), one weight per branch; rho as truncated
-    clip       w = 1, rho = pi_theta / pi_aux. A token with rho > 1 + eps_high and A > 0 gets no
-               gradient; one with rho >> 1 and A < 0 an unbounded one (--dual-clip c bounds its
-               loss by -c A: Ye et al. 2020's dual-clip PPO)
-    none       w = 1, rho = pi_theta / pi_old: as if the target had sampled them (S2L-PO's code)
-The per-token weight is an approximation: the branch's earlier tokens, and so the reward, came
-from pi_aux too; branch weighs the whole branch, at a larger variance.
+Trained are the branch tokens y_i of both models, nothing else. The paper's "updates restricted to
+the inserted segments" may also mean the auxiliary's alone; its ablation, target-only branches, is
+--aux-branches 0. Worked example, G = 4, B_t = B_a = 2, L = 8, "What is 17 + 25?". The prefix
+rollout "17 + 25 = 17 + 20 + 5 = 37 + 5 = 32. The answer is 32." (n = 36 tokens, a digit per token)
+branches at b = 25, after "37 + 5 =". The target branches " 32. So the answer is" and
+" 32, and the answer is"; the auxiliary " 42. So the answer is" and " 42, which is the answer".
+The target completes them: rewards [0, 0, 1, 1], A = [-1, -1, 1, 1]. The 16 auxiliary tokens are
+pushed up, the 16 target branch tokens down; the target's branches alone were an all-wrong group.
+S2L-PO (arXiv 2605.30789), by contrast, mixes whole small-model rollouts into GRPO groups.
 
-Worked example, G = 4, B_t = B_a = 2, L = 8, "What is 17 + 25?". The prefix rollout "17 + 25 =
-17 + 20 + 5 = 37 + 5 = 32. The answer is 32." (n = 36 tokens, a digit per token) branches at
-b = 25, after "37 + 5 =". Target branches " 32. So the answer is", " 32, and the answer is";
-auxiliary ones " 42. So the answer is", " 42, which is the answer". The target completes them:
-rewards [0, 0, 1, 1], A = [-1, -1, 1, 1]. The 16 auxiliary tokens are pushed up, the 16 target
-branch tokens down, no other token gets a gradient. The target's branches alone were an all-wrong
-group. Contrast: S2L-PO (arXiv 2605.30789) mixes whole small-model rollouts into GRPO groups.
-
-[our choice] (the paper's method section is not available; each is a flag):
-  * one prefix rollout per prompt, not a group member; B_a = G/2 (--aux-branches).
-  * --branch-at uniform, or entropy (the highest-entropy position in the range, as TreeRL and FR3E).
-  * --aux-is truncated, --is-cap 2 (the README measures the modes).
-  * no --aux-model: a frozen copy of the starting --model at --aux-temperature 1.3, a stand-in for
-    a smaller model of the same family (one offline model exists here), hotter so that it differs
-    from the target. A given --aux-model samples at --temperature. It reads the target's token ids
-    and never its own chat template: it needs the target's vocabulary, and a base model will do.
-  * q[:b] + y_i + c_i stays within --max-new-tokens: after a late b, c_i is short (logged:
-    continuation_len_mean, truncated_frac). Three sampling calls per step: prefix rollouts,
-    auxiliary branches (HF), one target call for target branches with their continuations (a
-    row's first L tokens are its branch) and auxiliary continuations.
-  * the task is arith-steps (verifier.py): working to branch into, not a 2-token answer.
-  * logged over every auxiliary branch of a step, trained or not (score_aux_branches): its
-    ratios pi_old / pi_aux; and the paper's measure, aux_rescued_frac (branch_stats).
-
-The update (W2SPO's own policy_loss and train_step; aggregate_loss), with x = s:
+The update (policy_loss, aggregate_loss, train_step):
     rho_i,t = pi_theta(y_i,t | x, y_i,<t) / pi_old(y_i,t | x, y_i,<t)
-    l_i,t   = -w_i,t min(rho_i,t A_i, clip(rho_i,t, 1 - eps_low, 1 + eps_high) A_i)   --eps-*
-              + beta v_i,t (exp(ref - logp) - (ref - logp) - 1)    --beta: k3 KL to the start
-  w_i,t and rho_i,t of auxiliary tokens as --aux-is says; k3 estimates KL(pi_theta || pi_ref) on
-  tokens pi_theta sampled, so v = min(pi_old / pi_aux, C) on auxiliary ones (1 under none and on
-  the target's); summed into one number by --loss-agg:
+    l_i,t   = -w_i,t min(rho_i,t A_i, clip(rho_i,t, 1 - eps_low, 1 + eps_high) A_i)   --eps-low/high
+              + beta v_i,t (exp(ref - logp) - (ref - logp) - 1)  --beta: k3 KL to the start (0: off)
+  summed into one number by --loss-agg:
     token-mean    sum over the batch's tokens / their number               (DAPO, the default)
     seq-mean      mean over each sequence's tokens, then over sequences    (original GRPO)
-    seq-sum-norm  sum / (number of sequences x --branch-len: a row's most trained tokens)
-  k3 as a loss: its gradient is that of KL(pi_ref || pi_theta), the reverse direction (as in
-  TRL and verl). Our A_i is sqrt(G / (G - 1)) times TRL's and verl's (population std, not Bessel's).
-  With beta = 0 a row with A = 0 is never forwarded, so --filter-groups only rescales the loss.
-  clip_frac_trained and entropy_trained (metrics.jsonl) cover the forwarded rows, not every sample.
+    seq-sum-norm  sum / (number of sequences x --branch-len)               (Dr. GRPO)
+  k3, Schulman's third estimator of KL(pi_theta || pi_ref), is unbiased as a value on tokens
+  pi_theta sampled; as a loss its gradient is that of KL(pi_ref || pi_theta), the reverse direction
+  (as in TRL and verl). Our A_i is sqrt(G / (G - 1)) times TRL's and verl's (their std divides by
+  G - 1). With beta = 0 a row with A = 0 is never forwarded, so --filter-groups only rescales the
+  loss. clip_frac_trained and entropy_trained (metrics.jsonl) cover the forwarded rows only.
   [our choice] pi_old is the sampling policy as the trainer computes it (--ppo-epochs 1: ratio 1,
   pi_old = logp.detach()); vLLM's own log-probs only check the weight sync (logp_mismatch_*). A
   completion with A = 0 and no KL has no gradient: not forwarded (it still counts in the
   normalisers). Weights and AdamW state are float32; --dtype is the compute precision.
+  W2SPO, x the state s: a target token has w = v = 1. An auxiliary token is off-policy: pi_aux
+  (at --aux-temperature) sampled it, not pi_old. --aux-is (IS: importance sampling) sets its w:
+    truncated  w = min(pi_old / pi_aux, C), the default, C = --is-cap 2 (verl's truncated IS)
+    branch     w = min(prod_t pi_old / pi_aux, C), one weight per branch
+    clip       w = 1, rho = pi_theta / pi_aux. A token with rho > 1 + eps_high and A > 0 gets no
+               gradient; one with rho >> 1 and A < 0 an unbounded one (--dual-clip c bounds its
+               loss by -c A: the dual-clip PPO, proximal policy optimization, of Ye et al. 2020)
+    none       w = 1: as if the target had sampled it (S2L-PO's code)
+  and v = min(pi_old / pi_aux, C) (1 under none), as k3 of the Kullback-Leibler divergence (KL)
+  holds on tokens pi_theta sampled. The per-token weight is an approximation: the branch's earlier
+  tokens, and so the reward, came from pi_aux too; branch weighs the whole branch (more variance).
 
-To carry W2SPO into another GRPO trainer, copy Branch, branch_candidates, sample_within and
-sample_groups (steps 1-5), score_aux_branches, importance_weights, policy_loss and the lines of
-train_step between "pi_old" and "policy_loss".
+[our choice] (the paper's method section is not available; each is a flag):
+  * one prefix rollout per prompt, not a group member; B_a = G/2 (--aux-branches).
+  * --branch-at uniform, or entropy (the highest-entropy position in the range, as TreeRL and FR3E).
+  * no --aux-model: a frozen copy of the starting --model, hotter (--aux-temperature 1.3) so that
+    it differs, stands in for a smaller model of the same family (one offline model exists here).
+  * q[:b] + y_i + c_i stays within --max-new-tokens: after a late b, c_i is short (logged:
+    continuation_len_mean, truncated_frac).
+  * the task is arith-steps (verifier.py): working to branch into, not a 2-token answer.
 
 Run:
     python w2spo.py                     # offline default: SmolLM2-135M-Instruct and a frozen copy
-    python w2spo.py --model Qwen/Qwen3-4B --aux-model Qwen/Qwen3-0.6B-Base --dataset train.jsonl
+    python w2spo.py --model Qwen/Qwen3-4B --aux-model Qwen/Qwen3-0.6B-Base --dataset train.jsonl \
+        --eval-dataset test.jsonl
 """
 import argparse
 import importlib.util
@@ -118,11 +105,10 @@ def parse_args(argv=None):
     add("--branch-len", type=bounded(int, 1), default=8, help="L: tokens per branch (trained)")
     add("--branch-at", default="uniform", choices=["uniform", "entropy"], help="branch point")
     add("--branch-range", type=float, nargs=2, default=[0.2, 0.8], metavar=("LOW", "HIGH"),
-        help="where a branch may start, in fractions of the prefix rollout (before its EOS)")
+        help="where a branch may start, in fractions of the prefix rollout (before its stop id)")
     add("--aux-is", default="truncated", choices=["truncated", "branch", "clip", "none"],
-        help="off-policy correction of auxiliary tokens (see the docstring)")
-    add("--is-cap", type=positive, default=2.0,
-        help="C: the cap of --aux-is truncated and branch, and of the KL weight with --beta")
+        help="importance sampling of auxiliary tokens (docstring; the README measures them)")
+    add("--is-cap", type=positive, default=2.0, help="C: caps w (truncated, branch) and v (--beta)")
     add("--dual-clip", type=bounded(float, 1, True), help="c: loss at most -c A where A < 0 (off)")
     parser.set_defaults(dataset="arith-steps", max_new_tokens=48, steps=10, lr=3e-5,
                         eval_problems=32)  # this method's task (docstring)
@@ -137,8 +123,7 @@ def parse_args(argv=None):
         die(f"--branch-range {args.branch_range}: need 0 < LOW <= HIGH < 1")
     cap_used = args.aux_is in ("truncated", "branch") or (args.aux_is == "clip" and args.beta > 0)
     if not cap_used and args.is_cap != parser.get_default("is_cap"):
-        print("warning: --is-cap is unused here (it caps --aux-is truncated and branch, and with "
-              "--beta the KL weight of every mode but none)", file=sys.stderr)
+        print("warning: --is-cap is unused here (it caps w and, with --beta, v)", file=sys.stderr)
     if args.aux_temperature is None:
         args.aux_temperature = args.temperature if args.aux_model else 1.3
     check_args(args, "w2spo")  # now: the auxiliary loads before Run (which checks them again)
@@ -147,8 +132,7 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------------ the method: branches
 @dataclass
 class Branch:
-    """One member of a group: a branch sampled from the state s = x + q[:b], then the target's
-    continuation. Only `ids` is trained; the state and the continuation are context."""
+    """A group member: branch y_i from the state s, then the target's continuation c_i (context)."""
     state: list  # s: the prompt's ids, then the prefix rollout's first b tokens
     prefix_len: int  # b
     ids: list  # y_i: the branch, at most L tokens (trained)
@@ -161,23 +145,21 @@ class Branch:
 
 def branch_candidates(rollout, stop_ids, branch_range):
     """Step 2: the branch points b (rollout tokens kept) in [LOW n, HIGH n] and [1, n - 1], n the
-    rollout's tokens before its stop id: at b the target wrote one and is not done yet.
-    n = 30, 0.2 0.8: b in 6..24."""
+    rollout's tokens before its stop id (at b it is not done yet). n = 30, 0.2 0.8: b in 6..24."""
     written, truncated = cut_at_eos(rollout, stop_ids)
     n = len(written) if truncated else len(written) - 1  # the tokens before the stop id
-    lowest = max(1, math.ceil(branch_range[0] * n))
-    highest = min(n - 1, math.floor(branch_range[1] * n))
+    lowest = max(1, math.ceil(branch_range[0] * n))  # b >= LOW n, b >= 1
+    highest = min(n - 1, math.floor(branch_range[1] * n))  # b <= HIGH n, b <= n - 1
     return list(range(lowest, highest + 1))
 
 def sample_within(sampler, prompts, budgets, temperature):
-    """One sample per prompt, row i within budgets[i] tokens: the sampler's dicts ("ids",
-    "truncated": no stop id, "sampler_logprobs") and "sampled": the tokens it generated (vLLM
-    samples every row to the largest budget: the tokens past a row's budget are counted, then
-    cut)."""
+    """One sample per prompt, row i within budgets[i] tokens: the sampler's dicts, and "sampled":
+    the tokens generated, all counted (vLLM runs every row to the largest budget, then cuts it)."""
     if not prompts:
         return []
-    options, vllm = {}, sampler.backend == "vllm"
-    if not vllm:  # HF: stop each row at its own budget (tokens generated = width past the prompts)
+    vllm = sampler.backend == "vllm"
+    options = {}
+    if not vllm:  # Hugging Face generate: each row stops at its own budget (width past the prompts)
         width = max(map(len, prompts))  # the prompts are left-padded to this width
         limit = torch.tensor(budgets, device=sampler.model.device)  # [rows]
         options["stopping_criteria"] = [lambda ids, scores, **_: ids.shape[1] - width >= limit]
@@ -199,9 +181,8 @@ def sample_groups(sampler, aux_sampler, tokenizer, prompts, problems, args):
     rollouts = [r["ids"] for r in sampler.generate(prompts, 1, N, args.temperature)]  # P lists
     entropy = None
     if args.branch_at == "entropy":  # entropy[i, t]: of the distribution token t was drawn from
-        with torch.no_grad():
-            entropy = branch_logprobs(sampler.model, prompts, rollouts, args, args.temperature,
-                                      sampler.compute_dtype, with_entropy=True)[1].cpu()  # [P, T]
+        entropy = branch_logprobs(sampler.model, prompts, rollouts, args.temperature, args,
+                                  with_entropy=True)[1].cpu()  # [P, T]
     # 2. b in [LOW n, HIGH n]: the branch point of each rollout that has one
     kept = []  # (prompt index i, branch point b) of the K kept prompts
     for i, rollout in enumerate(rollouts):
@@ -218,19 +199,20 @@ def sample_groups(sampler, aux_sampler, tokenizer, prompts, problems, args):
     aux_samples = sample_within(aux_sampler, [s for s in states for _ in range(B_a)],
                                 [min(L, left) for left in tokens_left for _ in range(B_a)],
                                 args.aux_temperature)  # K * B_a, state-major
+    aux_branches = [Branch(states[j // B_a], kept[j // B_a][1], sample["ids"], True, [],
+                           sample["truncated"]) for j, sample in enumerate(aux_samples)]  # K * B_a
     # 3. and 4. in one target call: B_t rows per state (a row's first L tokens are its branch y,
     # the rest its continuation c), then the continuation c of every auxiliary branch still open
-    rows = [(k, None) for k in range(len(kept)) for _ in range(B_t)]  # (state k, auxiliary j)
-    for j, aux_sample in enumerate(aux_samples):
-        k = j // B_a
-        wrote_stop = not aux_sample["truncated"]  # the completion ended inside the branch
-        if not wrote_stop and len(aux_sample["ids"]) < tokens_left[k]:
-            rows.append((k, j))
-    starts = [states[k] + (aux_samples[j]["ids"] if j is not None else []) for k, j in rows]
-    budgets = [tokens_left[k] - (len(aux_samples[j]["ids"]) if j is not None else 0)
-               for k, j in rows]
+    still_open = [branch for branch in aux_branches  # no stop id yet, and tokens left
+                  if branch.truncated and branch.prefix_len + len(branch.ids) < N]
+    starts = [s for s in states for _ in range(B_t)]  # K * B_t target rows, state-major
+    starts += [branch.state + branch.ids for branch in still_open]
+    budgets = [left for left in tokens_left for _ in range(B_t)]
+    budgets += [N - branch.prefix_len - len(branch.ids) for branch in still_open]
     target_samples = sample_within(sampler, starts, budgets, args.temperature)
-    continuation_of = {j: sample for (k, j), sample in zip(rows, target_samples) if j is not None}
+    for branch, sample in zip(still_open, target_samples[len(states) * B_t:]):
+        branch.continuation = sample["ids"]  # 4. c ~ pi_theta(. | s, y)
+        branch.truncated = sample["truncated"]  # used all --max-new-tokens without a stop id
     branches = []
     for k, (i, b) in enumerate(kept):
         group = []
@@ -238,11 +220,7 @@ def sample_groups(sampler, aux_sampler, tokenizer, prompts, problems, args):
             engine_logprobs = sample["sampler_logprobs"]
             group.append(Branch(states[k], b, sample["ids"][:L], False, sample["ids"][L:],
                                 sample["truncated"], engine_logprobs and engine_logprobs[:L]))
-        for j in range(k * B_a, (k + 1) * B_a):
-            continued = continuation_of.get(j)  # None: ended in a stop id, or no tokens left
-            continuation = continued["ids"] if continued else []
-            truncated = continued["truncated"] if continued else aux_samples[j]["truncated"]
-            group.append(Branch(states[k], b, aux_samples[j]["ids"], True, continuation, truncated))
+        group += aux_branches[k * B_a: (k + 1) * B_a]
         for branch in group:  # 5. r_i = reward(q[:b] + y_i + c_i)
             completion = rollouts[i][:b] + branch.ids + branch.continuation
             text = tokenizer.decode(completion, skip_special_tokens=True)
@@ -255,12 +233,13 @@ def sample_groups(sampler, aux_sampler, tokenizer, prompts, problems, args):
     return branches, dict(tokens_sampled=tokens_target + tokens_aux, tokens_read=tokens_read,
                           tokens_aux=tokens_aux, skipped_prompts=len(prompts) - len(kept))
 
-def branch_logprobs(net, states, branches, args, temperature, dtype, with_entropy=False):
+@torch.no_grad()
+def branch_logprobs(net, states, branches, temperature, args, with_entropy=False):
     """log pi(y_t | s, y_<t) of rows (state s, branch y) [b, T] (fp32), and the entropy of each
-    token's distribution [b, T] (no gradient) when asked: token_logprobs on the whole rows."""
+    token's distribution [b, T] when asked, without gradients: token_logprobs on the whole rows."""
     ids, attention, mask = build_batch(states, branches, 0)  # padding: masked, any id
     return token_logprobs(net, ids.to(net.device), attention.to(net.device), mask.shape[1],
-                          temperature, args.micro_batch, with_entropy, dtype)
+                          temperature, args.micro_batch, with_entropy, getattr(torch, args.dtype))
 
 def score_aux_branches(model, aux_model, branches, args):
     """pi_aux of every auxiliary branch, once per step (the auxiliary is frozen): sets
@@ -270,29 +249,26 @@ def score_aux_branches(model, aux_model, branches, args):
         return {}
     states = [branch.state for branch in aux_branches]
     ids = [branch.ids for branch in aux_branches]
-    dtype = getattr(torch, args.dtype)
-    with torch.no_grad():
-        old_logp = branch_logprobs(model, states, ids, args, args.temperature, dtype)[0]  # [a, T]
-        aux_logp = branch_logprobs(aux_model, states, ids, args, args.aux_temperature, dtype)[0]
+    old_logp = branch_logprobs(model, states, ids, args.temperature, args)[0]  # [a, T]
+    aux_logp = branch_logprobs(aux_model, states, ids, args.aux_temperature, args)[0]  # [a, T]
     for branch, row in zip(aux_branches, aux_logp.tolist()):
         branch.aux_logprobs = row[: len(branch.ids)]
     is_aux = pad(ids, 0)[1].bool().to(old_logp.device)  # [a, T]: the branches' tokens
     log_ratio = torch.where(is_aux, old_logp - aux_logp, 0.0)  # [a, T]: log pi_old / pi_aux
     ratio = torch.exp(log_ratio[is_aux])  # [auxiliary tokens]
     outside = (ratio < 1 - args.eps_low) | (ratio > 1 + args.eps_high)
+    capped = ratio > args.is_cap  # [auxiliary tokens]
     if args.aux_is == "branch":  # C binds on the product of a branch's ratios
         capped = torch.exp(log_ratio.sum(dim=1)) > args.is_cap  # [a]
-    else:
-        capped = ratio > args.is_cap  # [auxiliary tokens]
-    weights = importance_weights(log_ratio, is_aux, args.aux_is, args.is_cap)  # [a, T] or None
+    weights = importance_weights(log_ratio, is_aux, args.aux_is, args.is_cap)  # [a, T]
     return {"aux_log_ratio_mean": log_ratio[is_aux].mean().item(),  # -KL(pi_aux || pi_old)
             "aux_outside_clip_frac": outside.float().mean().item(),
             "aux_capped_frac": capped.float().mean().item(),
-            "aux_weight_mean": 1.0 if weights is None else weights[is_aux].mean().item()}
+            "aux_weight_mean": weights[is_aux].mean().item()}
 
 def load_aux(args):
-    """The frozen auxiliary (fp32 on the CPU: main places it), before Run: another vocabulary fails
-    at once. It samples with the target's tokenizer: its own chat template, PAD, EOS are unused."""
+    """The frozen auxiliary (fp32 on the CPU; main places it), before Run: a vocabulary not the
+    target's fails at once. It reads the target's ids, not its chat template: a base model does."""
     aux_model, aux_tokenizer = load_model(args.aux_model or args.model, torch.float32, "cpu")
     if args.aux_model:
         from transformers import AutoTokenizer
@@ -301,8 +277,7 @@ def load_aux(args):
         except (OSError, ValueError) as err:
             die(f"cannot load model '{args.model}' ({str(err).splitlines()[0][:200]})")
         if vocabulary != aux_tokenizer.get_vocab():
-            die(f"--aux-model {args.aux_model} and --model {args.model} have different vocabularies"
-                ": the auxiliary must read and write the target's token ids")
+            die(f"--aux-model {args.aux_model} and --model {args.model}: different vocabularies")
     return aux_model.eval().requires_grad_(False)
 
 # ------------------------------------------------------------------------ the method: advantages
@@ -320,37 +295,35 @@ def group_advantages(rewards, group_size, scale="group"):
 
 # ------------------------------------------------------------------------ the update
 def importance_weights(log_ratio, is_aux, aux_is, is_cap):
-    """w of --aux-is on the auxiliary tokens (is_aux [b, T]), from log_ratio = log pi_old -
-    log pi_aux [b, T] (0 elsewhere): [b, T], 1 on the target's tokens; None for clip and none."""
-    if aux_is == "truncated":  # w = min(pi_old / pi_aux, C), per token
-        capped = torch.exp(log_ratio).clamp(max=is_cap)  # [b, T]
-    elif aux_is == "branch":  # w = min(prod_t pi_old / pi_aux, C), one per branch
+    """w [b, T] of --aux-is from log_ratio = log pi_old - log pi_aux [b, T]; 1 where not is_aux."""
+    if aux_is == "truncated":
+        capped = torch.exp(log_ratio).clamp(max=is_cap)  # w = min(pi_old / pi_aux, C)   [b, T]
+    elif aux_is == "branch":  # one weight per branch
         per_branch = torch.exp(log_ratio.sum(dim=1, keepdim=True)).clamp(max=is_cap)  # [b, 1]
-        capped = per_branch.expand_as(log_ratio)  # [b, T]
-    else:
-        return None
+        capped = per_branch.expand_as(log_ratio)  # w = min(prod_t pi_old / pi_aux, C)   [b, T]
+    else:  # clip, none: w = 1
+        capped = torch.ones_like(log_ratio)  # [b, T]
     return torch.where(is_aux, capped, 1.0)  # the target's own tokens keep w = 1, whatever C
 
 def policy_loss(logp, old_logp, advantages, eps_low, eps_high, ref_logp=None, beta=0.0,
-                weights=None, kl_weights=None, dual_clip=None):
-    """Per-token clipped surrogate times weights w [B, T] (+ k3 KL times kl_weights v [B, T]);
-    both detached, None: 1. logp, old_logp, ref_logp [B, T]; advantages [B]; dual_clip c: where
-    A < 0, a loss is at most -c A. Returns (loss [B, T], clipped [B, T]: 1 where the clip won the
-    min, kl [B, T] or None)."""
+                weights=1.0, kl_weights=1.0, dual_clip=None):
+    """Per-token clipped surrogate (+ k3 KL). logp, old_logp, ref_logp [B, T]; advantages [B].
+    W2SPO: l times weights w [B, T], k3 times kl_weights v [B, T]; dual_clip c: l <= -c A if A < 0.
+    Returns (loss [B, T], clipped [B, T]: 1 where the clip won the min, kl [B, T] or None)."""
     adv = advantages[:, None]  # [B, 1]
-    ratio = torch.exp(logp - old_logp)  # rho [B, T]
-    unclipped = ratio * adv  # [B, T]
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv  # [B, T]
-    loss = -torch.min(unclipped, clipped)  # -min(rho A, clip(rho) A) [B, T]
-    if dual_clip:  # where A < 0: min(that, -c A)
+    ratio = torch.exp(logp - old_logp)  # rho = pi_theta / pi_old   [B, T]
+    unclipped = ratio * adv  # rho A   [B, T]
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv  # clip(rho, 1 -+ eps) A
+    loss = -torch.min(unclipped, clipped)  # l = -min(rho A, clip(rho) A)   [B, T]
+    if dual_clip:  # where A < 0: l = min(l, -c A) (dual-clip PPO)
         loss = torch.where(adv < 0, torch.clamp(loss, max=-dual_clip * adv), loss)  # [B, T]
-    if weights is not None:
-        loss = loss * weights  # w (--aux-is)
+    loss = loss * weights  # l = -w min(rho A, clip(rho) A)   [B, T]
     kl = None
     if beta > 0:
         log_ratio_ref = ref_logp - logp  # [B, T]
-        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3 >= 0, on pi_theta's samples
-        loss = loss + beta * (kl if kl_weights is None else kl * kl_weights)  # + beta v k3
+        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3 >= 0; gradient: KL(ref || pi)'s
+        kl = kl * kl_weights  # v k3: importance-weighted where pi_theta did not sample   [B, T]
+        loss = loss + beta * kl  # l + beta v k3
     return loss, (clipped < unclipped).float(), kl
 
 def aggregate_loss(token_loss, mask, loss_agg, num_tokens, num_sequences, max_new_tokens):
@@ -365,67 +338,82 @@ def aggregate_loss(token_loss, mask, loss_agg, num_tokens, num_sequences, max_ne
 
 def train_step(model, optimizer, batch, args, ref_model=None):
     """One sampled batch -> --ppo-epochs optimizer steps; returns diagnostics. batch: "prompts"
-    (the states s), "samples" (Branch: ids y_i, trained; by_aux; aux_logprobs, pi_aux's; and
-    sampler_logprobs with vLLM, compared with ours as a check of the weight sync, never used in the
-    ratio), "advantages" [B]."""
-    adv, dtype, samples = batch["advantages"], getattr(torch, args.dtype), batch["samples"]
-    num_sequences, num_tokens = len(adv), max(sum(len(s.ids) for s in samples), 1)
+    (the states s), "samples" (Branch; its sampler_logprobs with vLLM are compared with ours as
+    a check of the weight sync, never used in the ratio), "advantages" [B]."""
+    adv = batch["advantages"]  # [B]
+    samples = batch["samples"]
+    dtype = getattr(torch, args.dtype)
+    num_sequences = len(adv)
+    num_tokens = max(sum(len(s.ids) for s in samples), 1)
     pad_id = model.generation_config.pad_token_id
     # A row with A = 0 adds nothing but KL: without KL it is not forwarded at all (exact).
-    active = list(range(num_sequences)) if args.beta > 0 else adv.nonzero().squeeze(1).tolist()
+    if args.beta > 0:
+        active = list(range(num_sequences))
+    else:
+        active = adv.nonzero().squeeze(1).tolist()
     micro_batches = []  # (rows, ids [b, S + t], attention [b, S + t], mask [b, t]), own widths
-    for rows in (active[i: i + args.micro_batch] for i in range(0, len(active), args.micro_batch)):
-        tensors = build_batch([batch["prompts"][i] for i in rows], [samples[i].ids for i in rows],
-                              pad_id)
+    for start in range(0, len(active), args.micro_batch):
+        rows = active[start: start + args.micro_batch]
+        prompts = [batch["prompts"][i] for i in rows]
+        tensors = build_batch(prompts, [samples[i].ids for i in rows], pad_id)
         micro_batches.append((rows, *(t.to(model.device) for t in tensors)))
     def logprobs(net, ids, attention, mask, with_entropy=False):  # [b, t] (and entropy [b, t])
         return token_logprobs(net, ids, attention, mask.shape[1], args.temperature, len(ids),
                               with_entropy, dtype)
-    with torch.no_grad():  # pi_old (fixed at sampling for every epoch) and pi_ref, where needed
-        olds = [logprobs(model, *mb[1:])[0] if args.ppo_epochs > 1 else None for mb in micro_batches]
-        refs = [logprobs(ref_model, *mb[1:])[0] if args.beta > 0 else None for mb in micro_batches]
-    stats, gaps = {"skipped_nonfinite": 0, "trained_sequences": len(active)}, []
+    olds = [None] * len(micro_batches)  # pi_old, fixed at sampling for every epoch (if > 1)
+    refs = [None] * len(micro_batches)  # pi_ref, for the KL term (if beta > 0)
+    with torch.no_grad():
+        for index, (rows, ids, attention, mask) in enumerate(micro_batches):
+            if args.ppo_epochs > 1:
+                olds[index] = logprobs(model, ids, attention, mask)[0]
+            if args.beta > 0:
+                refs[index] = logprobs(ref_model, ids, attention, mask)[0]
+    stats = {"skipped_nonfinite": 0, "trained_sequences": len(active)}
+    gaps = []  # |our log-prob - vLLM's| per sampled token, where vLLM sampled
     for epoch in range(args.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(("loss", "clip_frac", "kl", "entropy", "tokens"), 0.0)
         for (rows, ids, attention, mask), old_logp, ref_logp in zip(micro_batches, olds, refs):
             logp, entropy = logprobs(model, ids, attention, mask, True)  # [b, t] each
-            old_logp = logp.detach() if old_logp is None else old_logp  # pi_old [b, t]
+            if old_logp is None:
+                old_logp = logp.detach()  # --ppo-epochs 1: pi_old = pi_theta, rho = 1
+            # W2SPO: the auxiliary's tokens get w, v and (--aux-is clip) their own rho
             by_aux = torch.tensor([samples[i].by_aux for i in rows], device=model.device)  # [b]
             is_aux = mask.bool() & by_aux[:, None]  # [b, t]: the auxiliary's tokens
             aux_rows = [samples[i].aux_logprobs or [0.0] * len(samples[i].ids) for i in rows]
-            aux_logp = pad(aux_rows, 0.0, dtype=torch.float32)[0].to(logp)  # [b, t]: log pi_aux
+            aux_logp = pad(aux_rows, 0.0, dtype=torch.float32)[0].to(logp)  # log pi_aux   [b, t]
             log_ratio_aux = torch.where(is_aux, old_logp - aux_logp, 0.0)  # log pi_old / pi_aux
             weights = importance_weights(log_ratio_aux, is_aux, args.aux_is, args.is_cap)  # w
-            kl_weights = None  # v = min(pi_old / pi_aux, C) on auxiliary tokens (--beta > 0)
-            if args.beta > 0 and args.aux_is != "none":
-                kl_weights = importance_weights(log_ratio_aux, is_aux, "truncated", args.is_cap)
-            if args.aux_is == "clip":  # rho = pi_theta / pi_aux on auxiliary tokens
-                old_logp = torch.where(is_aux, aux_logp, old_logp)  # [b, t]
-            token_loss, clipped, kl = policy_loss(
-                logp, old_logp, adv[rows].to(model.device), args.eps_low, args.eps_high, ref_logp,
-                args.beta, weights, kl_weights, args.dual_clip)
+            kl_mode = "none" if args.aux_is == "none" else "truncated"  # v = 1 under none
+            kl_weights = importance_weights(log_ratio_aux, is_aux, kl_mode, args.is_cap)  # v
+            if args.aux_is == "clip":
+                old_logp = torch.where(is_aux, aux_logp, old_logp)  # rho = pi_theta / pi_aux
+            token_loss, clipped, kl = policy_loss(logp, old_logp, adv[rows].to(model.device),
+                                                  args.eps_low, args.eps_high, ref_logp, args.beta,
+                                                  weights, kl_weights, args.dual_clip)
             loss = aggregate_loss(token_loss, mask, args.loss_agg, num_tokens, num_sequences,
                                   args.branch_len)  # seq-sum-norm: a row trains <= L tokens
             loss.backward()
             tokens = mask.bool()
-            for j, i in enumerate(rows):  # vLLM's log-probs, where it sampled the branch
+            for j, i in enumerate(rows):  # vLLM's log-probs, where it sampled the row
                 engine_logp = samples[i].sampler_logprobs
                 if epoch == 0 and engine_logp:
                     ours = logp[j, : len(engine_logp)].detach()  # [tokens]
                     gaps.append((ours - torch.tensor(engine_logp).to(ours)).abs())
-            for key, value in (("loss", loss), ("clip_frac", clipped[tokens].sum()),
-                               ("kl", kl[tokens].sum() if kl is not None else torch.zeros(())),
-                               ("entropy", entropy[tokens].sum()), ("tokens", tokens.sum())):
-                sums[key] += value.item()
+            sums["loss"] += loss.item()
+            sums["clip_frac"] += clipped[tokens].sum().item()
+            sums["entropy"] += entropy[tokens].sum().item()
+            sums["tokens"] += tokens.sum().item()
+            if kl is not None:
+                sums["kl"] += kl[tokens].sum().item()
         if not sums["tokens"]:
             break
         # The gradient norm over all weights (clipped to --max-grad-norm; 0: only measured).
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                          args.max_grad_norm or float("inf")))
         stats.update(clip_frac_trained=sums["clip_frac"] / sums["tokens"],  # rows forwarded only
-                     entropy_trained=sums["entropy"] / sums["tokens"], kl=sums["kl"] / sums["tokens"],
-                     loss=sums["loss"], grad_norm=grad_norm)
+                     entropy_trained=sums["entropy"] / sums["tokens"],
+                     kl=sums["kl"] / sums["tokens"], loss=sums["loss"], grad_norm=grad_norm)
         if not (math.isfinite(sums["loss"]) and math.isfinite(grad_norm)):  # never apply NaN, inf
             optimizer.zero_grad(set_to_none=True)
             stats["skipped_nonfinite"] += 1
@@ -439,17 +427,13 @@ def train_step(model, optimizer, batch, args, ref_model=None):
 
 # ------------------------------------------------------------------------ the loop
 def branch_stats(branches, rewards, args):
-    """What metrics.jsonl logs about a step's K groups of branches, rewards [K * G]."""
+    """metrics.jsonl's W2SPO measures of a step's K groups of branches, rewards [K * G]."""
     G = args.group_size
     by_aux = torch.tensor([branch.by_aux for branch in branches], dtype=torch.bool)  # [K * G]
-    by_group = rewards.view(-1, G)  # [K, G]
     target_right = (rewards * ~by_aux).view(-1, G).sum(dim=1)  # [K]: right target branches
     aux_right = (rewards * by_aux).view(-1, G).sum(dim=1)  # [K]: right auxiliary branches
-    stats = {"reward_mean": rewards.mean().item(),
-             "frac_zero_std": (by_group.std(dim=1) == 0).float().mean().item(),
-             "all_wrong_frac": (by_group.sum(dim=1) == 0).float().mean().item(),
-             # the paper's measure: groups the target's branches alone would have lost
-             "target_all_wrong_frac": (target_right == 0).float().mean().item(),
+    # the paper's measure: groups the target's branches alone would have lost
+    stats = {"target_all_wrong_frac": (target_right == 0).float().mean().item(),
              "aux_rescued_frac": ((target_right == 0) & (aux_right > 0)).float().mean().item(),
              "prefix_len_mean": float(np.mean([branch.prefix_len for branch in branches[::G]])),
              "branch_len_mean": float(np.mean([len(branch.ids) for branch in branches])),
@@ -467,11 +451,10 @@ def main(argv=None):
     run = Run(args)  # Run (below): data, policy, sampler, optimizer, logs
     G = args.group_size
     aux_sampler = Sampler("hf", aux_model.to(run.device, run.compute_dtype), run.tokenizer, None,
-                          run.compute_dtype, "--aux-model")  # frozen, compute precision; HF
+                          run.compute_dtype, "--aux-model")  # frozen, compute precision
     for step, problems, prompts in run.steps():
-        # 1.-5. the branches of the K kept prompts, G per group, and their rewards
         branches, counts = sample_groups(run.sampler, aux_sampler, run.tokenizer, prompts,
-                                         problems, args)  # K * G
+                                         problems, args)  # 1.-5.: K * G, with their rewards
         if not branches:  # no prompt had a branch point: nothing to train
             if run.end_step(step, {}, **counts):
                 break
@@ -481,17 +464,19 @@ def main(argv=None):
         advantages = group_advantages(rewards, G, args.scale_rewards)  # 6. A_i [K * G]
         zero_std = rewards.view(-1, G).std(dim=1) == 0  # [K]
         rows = [i for i in range(len(branches)) if not (args.filter_groups and zero_std[i // G])]
-        trained = [branches[i] for i in rows]
         stats = {}
         if rows:
-            stats = run.update([branch.state for branch in trained], trained, advantages[rows])
-        counts["tokens_trained"] = sum(len(branch.ids) for branch, a in
-                                       zip(trained, advantages[rows]) if a != 0 or args.beta > 0)
-        record = {**branch_stats(branches, rewards, args), **aux_stats, **stats}
+            stats = run.update([branches[i].state for i in rows], [branches[i] for i in rows],
+                               advantages[rows])
+        forwarded = [i for i in rows if advantages[i] != 0 or args.beta > 0]  # as in train_step
+        counts["tokens_trained"] = sum(len(branches[i].ids) for i in forwarded)
+        record = {"reward_mean": rewards.mean().item(),
+                  "frac_zero_std": zero_std.float().mean().item(),
+                  "all_wrong_frac": (rewards.view(-1, G).sum(dim=1) == 0).float().mean().item(),
+                  **branch_stats(branches, rewards, args), **aux_stats, **stats}
         if run.end_step(step, record, **counts):
             break  # --token-budget spent
-    return run.finish(aux_model=args.aux_model or "frozen copy of --model",
-                      aux_temperature=args.aux_temperature)
+    return run.finish()
 
 # ============================================================================= plumbing
 # The same in every script that has it (tests/test_consistency.py checks): read it once here and

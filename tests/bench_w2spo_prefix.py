@@ -51,9 +51,10 @@ def main():
             branches.append([random.randrange(1000, 5000) for _ in range(8)])
     args = w2spo.parse_args([])
 
-    def whole(rows):
-        return w2spo.branch_logprobs(model, [states[i] for i in rows], [branches[i] for i in rows],
-                                     args, 1.0, torch.float32)[0]
+    def whole(rows):  # as train_step forwards its rows
+        ids, attention, mask = w2spo.build_batch([states[i] for i in rows],
+                                                 [branches[i] for i in rows], 0)
+        return w2spo.token_logprobs(model, ids, attention, mask.shape[1], 1.0, args.micro_batch)[0]
 
     def shared(rows):
         return shared_state_logprobs(model, [states[i] for i in rows], [branches[i] for i in rows])

@@ -120,7 +120,6 @@ def test_branch_stats_log_lengths_and_the_groups_the_auxiliary_rescued():
     rewards = torch.tensor([br.reward for br in branches], dtype=torch.float32)
     stats = w2spo.branch_stats(branches, rewards, args)
     assert stats["target_all_wrong_frac"] == 0.5 and stats["aux_rescued_frac"] == 0.5
-    assert stats["all_wrong_frac"] == 0 and stats["frac_zero_std"] == 0
     assert stats["prefix_len_mean"] == 6 and stats["truncated_frac"] == 2 / 8
     assert stats["continuation_len_mean"] == (13 + 1 + 2 + 0 + 1 + 1 + 9 + 1) / 8
     assert stats["branch_len_mean"] == (7 * 3 + 2) / 8
@@ -164,8 +163,8 @@ def test_branch_logprobs_are_those_of_sampling(tiny_model_dir):
     scores = torch.stack([torch.log_softmax(s, -1).gather(-1, new[:, t, None]).squeeze(-1)
                           for t, s in enumerate(out.scores)], 1)  # [4, 6]
     states, branches = [p for p in prompts for _ in range(2)], [w2spo.cut_at_eos(r, {EOS})[0] for r in new.tolist()]
-    args = SimpleNamespace(micro_batch=3)  # micro-batches do not change a row
-    got, _ = w2spo.branch_logprobs(model, states, branches, args, 1.5, torch.float32, True)  # [4, T]
+    args = SimpleNamespace(micro_batch=3, dtype="float32")  # micro-batches do not change a row
+    got, _ = w2spo.branch_logprobs(model, states, branches, 1.5, args, True)  # [4, T]
     real = w2spo.pad(branches, 0)[1].bool()
     torch.testing.assert_close(got[real], scores[:, : got.shape[1]][real], atol=1e-5, rtol=1e-5)
 
@@ -316,6 +315,17 @@ def test_the_kl_term_of_auxiliary_tokens_is_importance_weighted(tiny_model_dir, 
                        ref_model=fresh(aux_model_dir))
     want.backward()
     torch.testing.assert_close(grads(model), grads(hand), atol=1e-6, rtol=1e-4)
+    # the logged kl is the same weighted estimate, v k3, over the branch tokens
+    policy, ref_model, aux_model = fresh(tiny_model_dir), fresh(aux_model_dir), fresh(aux_model_dir)
+    terms = []
+    with torch.no_grad():
+        for b in branches:
+            lp, ref = on_branch(policy, b), on_branch(ref_model, b)
+            v = torch.ones_like(lp)
+            if b["aux"] and mode != "none":
+                v = torch.exp(lp - on_branch(aux_model, b, 1.3)).clamp(max=1.1)
+            terms.append(v * (torch.exp(ref - lp) - (ref - lp) - 1))
+    assert stats["kl"] == pytest.approx(torch.cat(terms).mean().item(), rel=1e-4)
 
 
 def test_the_modes_differ_on_the_same_rows(tiny_model_dir, aux_model_dir):
@@ -536,7 +546,7 @@ def test_base_model_without_chat_template_or_pad_is_accepted(tiny_model_dir, tmp
     assert base.chat_template is None and base.pad_token_id != EOS
     summary = w2spo.main(tiny_run(tiny_model_dir, tmp_path / "run", "--aux-model", str(copy), "--steps", "1",
                                   "--temperature", "0.9"))
-    assert summary["aux_temperature"] == 0.9 and summary["aux_model"] == str(copy)
+    assert summary["args"]["aux_temperature"] == 0.9 and summary["args"]["aux_model"] == str(copy)
     assert summary["tokens_aux"] > 0
 
 
@@ -573,7 +583,7 @@ def test_one_training_run_end_to_end(tiny_model_dir, tmp_path):
         assert r["tokens_trained"] <= 4 * 8 * 4  # prompts x G x L
     for key in ("tokens_sampled", "tokens_aux", "tokens_trained"):
         assert summary[key] == sum(r[key] for r in records)
-    assert summary["aux_temperature"] == 1.3 and summary["aux_model"] == "frozen copy of --model"
+    assert summary["args"]["aux_temperature"] == 1.3 and summary["args"]["aux_model"] is None  # the copy
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     final = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     assert not torch.equal(start.lm_head.weight, final.lm_head.weight)
