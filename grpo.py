@@ -186,7 +186,7 @@ def main(argv=None):
         golds = [p["answer"] for p in problems for _ in range(G)]
         rewards = torch.tensor([verifier.reward(t, g) for t, g in zip(texts, golds)])  # [P * G]
         advantages = group_advantages(rewards, G, args.scale_rewards)  # [P * G]
-        zero_std = rewards.view(-1, G).std(dim=1) == 0  # [P]
+        zero_std = rewards.view(-1, G).std(dim=1) == 0  # [groups]: all rewards equal
         rows = [i for i in range(len(samples)) if not (args.filter_groups and zero_std[i // G])]
         stats = {}
         if rows:

@@ -320,7 +320,7 @@ def main(argv=None):
         adaptive = args.mix == "adaptive"  # it needs each problem's mean token entropy
         entropy = problem_entropy(run.model, prompts, samples, args) if adaptive else None  # [P]
         advantages = passk_training_advantages(rewards, args, entropy)  # [P * G]
-        zero_std = rewards.view(-1, G).std(dim=1) == 0  # [P]
+        zero_std = rewards.view(-1, G).std(dim=1) == 0  # [groups]: all rewards equal
         dead = (advantages.view(-1, G) == 0).all(dim=1)  # [P]: equal rewards, or c > N - k
         rows = [i for i in range(len(samples)) if not (args.filter_groups and dead[i // G])]
         stats = {}

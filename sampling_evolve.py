@@ -515,7 +515,7 @@ def main(argv=None):
             off_policy["evolved_logp_gap_mean"] = (on_x - on_e).mean().item()
         # (5) GRPO on every group: A_i = (r_i - mean(r)) / (std(r) + 1e-4), after the rescues
         advantages = group_advantages(rewards, G, args.scale_rewards)  # [P * G]
-        zero_std = rewards.view(-1, G).std(dim=1) == 0  # [P]
+        zero_std = rewards.view(-1, G).std(dim=1) == 0  # [groups]: all rewards equal
         rows = [i for i in range(len(samples)) if not (args.filter_groups and zero_std[i // G])]
         stats = {}
         if rows:

@@ -228,10 +228,9 @@ def sample_groups(sampler, aux_sampler, tokenizer, prompts, problems, args):
         branches += group
     tokens_aux = sum(sample["sampled"] for sample in aux_samples)
     tokens_target = sum(map(len, rollouts)) + sum(sample["sampled"] for sample in target_samples)
-    # each sample reads its prompt: x (step 1), s (step 3), s + y (step 4)
-    tokens_read = sum(map(len, prompts)) + B_a * sum(map(len, states)) + sum(map(len, starts))
-    return branches, dict(tokens_sampled=tokens_target + tokens_aux, tokens_read=tokens_read,
-                          tokens_aux=tokens_aux, skipped_prompts=len(prompts) - len(kept))
+    return branches, dict(tokens_sampled=tokens_target + tokens_aux, tokens_aux=tokens_aux,
+                          tokens_read=sum(map(len, prompts + states * B_a + starts)),  # x, s, s + y
+                          skipped_prompts=len(prompts) - len(kept))
 
 @torch.no_grad()
 def branch_logprobs(net, states, branches, temperature, args, with_entropy=False):
@@ -462,7 +461,7 @@ def main(argv=None):
         aux_stats = score_aux_branches(run.model, aux_model, branches, args)  # pi_aux, once
         rewards = torch.tensor([branch.reward for branch in branches])  # [K * G]
         advantages = group_advantages(rewards, G, args.scale_rewards)  # 6. A_i [K * G]
-        zero_std = rewards.view(-1, G).std(dim=1) == 0  # [K]
+        zero_std = rewards.view(-1, G).std(dim=1) == 0  # [groups]: all rewards equal
         rows = [i for i in range(len(branches)) if not (args.filter_groups and zero_std[i // G])]
         stats = {}
         if rows:
