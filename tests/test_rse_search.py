@@ -282,7 +282,7 @@ def test_majority_vote_pools_equivalent_answers_and_breaks_ties_by_first_seen():
     (["--samples-per-round", "4", "--eval-k", "5"], "--eval-k 5 is larger than the samples"),
     (["--first-round-samples", "2", "--eval-k", "3"], "--eval-k 3 is larger than the samples"),
     (["--top-p", "0"], "--top-p: must be above 0"),
-    (["--top-p", "1.5"], "--top-p 1.5 at most 1"),
+    (["--top-p", "1.5"], "--top-p 1.5 must be at most 1"),
     (["--tau", "1.5"], "--tau 1.5 must be a cosine in [-1, 1]"),
     (["--temperature", "0"], "--temperature: must be above 0"),
     (["--distill-retries", "-1"], "--distill-retries: must be at least 0"),

@@ -141,7 +141,7 @@ def test_docstring_examples():
     # the worked examples in verifier.py's docstrings are documentation: keep them true
     import doctest
     result = doctest.testmod(verifier)
-    assert result.attempted >= 6 and result.failed == 0
+    assert result.attempted >= 3 and result.failed == 0
 
 
 # ------------------------------------------------------------ reward/feedback
