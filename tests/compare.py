@@ -49,7 +49,7 @@ SETTINGS = {  # the shared flags of each size; the README's table comes from "fu
     "full": {"train": {"--prompts-per-step": 8, "--group-size": 8, "--micro-batch": 8, "--max-new-tokens": 48,
                        "--lr": 3e-5, "--token-budget": 15000, "--steps": 30, "--eval-problems": 32,
                        "--eval-samples": 8, "--eval-k": 4, "--eval-every": 3},
-             "read_budget": 60000,  # --budget-counts read+written: grpo.py's run reads about 4x
+             "read_budget": 65000,  # read+written: where grpo.py's 15,000-token run ends (step 16)
              "passk_k": 4,
              "search": {"problems": 20, "rounds": 3, "samples": 4, "max_new_tokens": 48, "temperature": 0.6}},
     "quick": {"train": {"--prompts-per-step": 2, "--group-size": 4, "--micro-batch": 4, "--max-new-tokens": 24,
