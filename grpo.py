@@ -601,6 +601,8 @@ class Run:
                   file=sys.stderr)
         if args.backend == "hf" and (args.gpu_memory_utilization or args.max_model_len):
             print("warning: --gpu-memory-utilization, --max-model-len: vLLM only", file=sys.stderr)
+        if args.budget_counts != "written" and not args.token_budget:
+            print("warning: --budget-counts has no effect without --token-budget", file=sys.stderr)
         engine = (create_vllm_engine(args.model, args, self.compute_dtype)
                   if args.backend == "vllm" else None)  # before the policy: it sizes memory first
         self.model, self.tokenizer = load_model(args.model, torch.float32, self.device)  # master

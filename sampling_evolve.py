@@ -100,7 +100,7 @@ def parse_args(argv=None):
         help="train: GRPO that rescues all-wrong groups; search: held-out, vs independent samples")
     add("--rounds", type=bounded(int, 0), default=2, help="evolution rounds after round 0")
     add("--children", type=bounded(int, 1), default=4, help="attempts per problem in a round")
-    add("--n-parents", type=bounded(int, 0), default=3, help="earlier attempts a prompt shows")
+    add("--n-parents", type=bounded(int, 0), default=3, help="earlier attempts shown per prompt")
     add("--max-attempt-chars", type=bounded(int, 1), default=200, help="shown: an attempt's last N")
     add("--max-evolved", type=bounded(int, 0), default=2, help="train: right children per group")
     args = parser.parse_args(argv)
@@ -937,6 +937,8 @@ class Run:
                   file=sys.stderr)
         if args.backend == "hf" and (args.gpu_memory_utilization or args.max_model_len):
             print("warning: --gpu-memory-utilization, --max-model-len: vLLM only", file=sys.stderr)
+        if args.budget_counts != "written" and not args.token_budget:
+            print("warning: --budget-counts has no effect without --token-budget", file=sys.stderr)
         engine = (create_vllm_engine(args.model, args, self.compute_dtype)
                   if args.backend == "vllm" else None)  # before the policy: it sizes memory first
         self.model, self.tokenizer = load_model(args.model, torch.float32, self.device)  # master

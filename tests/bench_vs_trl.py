@@ -15,9 +15,9 @@ them sampling), peak memory, held-out pass@1 (and pass@k) before and after for b
 ratios and a JSON line.
 
 Matched: the model and its fp32 weights; the arith train split in grpo.py's order
-(np.random.default_rng(seed).permutation, P prompts a step, shuffle_dataset=False); the prompt tokens
+(np.random.default_rng(seed).permutation, P prompts per step, shuffle_dataset=False); the prompt tokens
 (TRL renders the conversational prompt with the same chat template, default system prompt included:
-checked at run time); P x G completions a step in micro-batches of --micro-batch; max completion length,
+checked at run time); P x G completions per step in micro-batches of --micro-batch; max completion length,
 temperature 1, top_p 1, top_k 0; the reward (verifier.reward on the decoded completion); the clipped
 token loss with eps 0.2 / 0.28, no KL, loss_type="dapo" (= token-mean, see below); AdamW (torch, betas
 0.9/0.999, eps 1e-8), weight decay 0 (grpo.py's), constant lr, no warmup, grad-norm clip 1.0; fp32, no
@@ -237,7 +237,7 @@ def main():
         trl = json.loads(result_file.read_text())
 
     P, G, c = args.prompts_per_step, args.group_size, trl["config"]
-    print(f"\nP {P} x G {G} = {P * G} completions a step, up to {args.max_new_tokens} tokens, lr {args.lr}, "
+    print(f"\nP {P} x G {G} = {P * G} completions per step, up to {args.max_new_tokens} tokens, lr {args.lr}, "
           f"{args.steps} steps, seed {args.seed}; eval {args.eval_problems} problems x {args.eval_samples}")
     print(f"TRL batch: per_device_train_batch_size {c['per_device_train_batch_size']} x gradient_accumulation_steps "
           f"{c['gradient_accumulation_steps']} = {c['per_device_train_batch_size'] * c['gradient_accumulation_steps']}"

@@ -22,7 +22,7 @@ SCRIPTS = {"grpo": (grpo, test_grpo.tiny_run), "passk": (passk, test_grpo.tiny_r
 
 
 def step_tokens(record, budget_counts="written"):
-    """The tokens a step counts against --token-budget: its tokens_sampled, the count Run.end_step sums (written by
+    """The tokens per step counted against --token-budget: its tokens_sampled, the count Run.end_step sums (written by
     every model: sampling_evolve's include its evolution rounds' children, w2spo's its branches and continuations),
     and with --budget-counts read+written its tokens_read too (the prompt each sample read)."""
     if budget_counts == "read+written":
@@ -72,6 +72,11 @@ def test_tokens_read_are_the_prompt_tokens_of_every_sample(module, tiny_model_di
     assert metrics(tmp_path)[0]["tokens_read"] == 8 * 4 * len(prompt)
 
 
+def test_budget_counts_without_a_budget_is_reported(tiny_model_dir, tmp_path, capsys):
+    grpo.main(test_grpo.tiny_run(tiny_model_dir, tmp_path, "--steps", "1", "--budget-counts", "read+written"))
+    assert "warning: --budget-counts has no effect without --token-budget" in capsys.readouterr().err
+
+
 def test_negative_token_budget_is_a_one_line_error(tiny_model_dir, tmp_path):
     with pytest.raises(SystemExit, match="--token-budget: must be at least 0"):
         grpo.main(test_grpo.tiny_run(tiny_model_dir, tmp_path, "--token-budget", "-5"))
@@ -115,7 +120,7 @@ def test_search_rows_count_each_distillation_in_the_round_that_reads_its_bank():
 def test_compare_quick_end_to_end(tmp_path):
     """The real default model, every script as a user runs it, at toy sizes: one table where each training
     run stopped at the first step that reached the same budget, all started from the same pass@1, and the
-    two search methods drew the same number of samples a problem in every round; tokens read and written
+    two search methods drew the same number of samples per problem in every round; tokens read and written
     so far for every search method and baseline."""
     result = compare.main(["--quick", "--output-dir", str(tmp_path)])
     budget, cap = compare.SETTINGS["quick"]["train"]["--token-budget"], compare.SETTINGS["quick"]["train"]["--steps"]
