@@ -51,15 +51,15 @@ The update (policy_loss, aggregate_loss, train_step):
     token-mean    sum over the batch's tokens / their number               (DAPO, the default)
     seq-mean      mean over each sequence's tokens, then over sequences    (original GRPO)
     seq-sum-norm  sum / (number of sequences x --max-new-tokens)           (Dr. GRPO)
-  k3, Schulman's third estimator of KL(pi_theta || pi_ref), is unbiased as a value on tokens
-  pi_theta sampled; as a loss its gradient is that of KL(pi_ref || pi_theta), the reverse direction
-  (as in TRL and verl). Our A_i is sqrt(G / (G - 1)) times TRL's and verl's (their std divides by
-  G - 1). With beta = 0 a row with A = 0 is never forwarded, so --filter-groups only rescales the
-  loss. clip_frac_trained and entropy_trained (metrics.jsonl) cover the forwarded rows only.
-  [our choice] pi_old is the sampling policy as the trainer computes it (--ppo-epochs 1: ratio 1,
-  pi_old = logp.detach()); vLLM's own log-probs only check the weight sync (logp_mismatch_*). A
-  completion with A = 0 and no KL has no gradient: not forwarded (it still counts in the
-  normalisers). Weights and AdamW state are float32; --dtype is the compute precision.
+  k3, Schulman's third estimator of the Kullback-Leibler divergence KL(pi_theta || pi_ref), is
+  unbiased as a value on tokens pi_theta sampled; as a loss its gradient is that of KL(pi_ref ||
+  pi_theta), the reverse direction (as in TRL and verl). Our A_i is sqrt(G / (G - 1)) times TRL's
+  and verl's (their std divides by G - 1). [our choice] pi_old is the sampling policy as the trainer
+  computes it (--ppo-epochs 1: ratio 1, pi_old = logp.detach()); vLLM's own log-probs only check the
+  weight sync (logp_mismatch_*). A completion with A = 0 and no KL has no gradient: it is not
+  forwarded but counts in the normalisers (with beta = 0, --filter-groups only rescales the loss);
+  clip_frac_trained and entropy_trained (metrics.jsonl) cover the forwarded rows only. Weights and
+  AdamW state are float32; --dtype is the compute precision.
 
 Run:
     python passk.py                     # offline default: analytic advantage, k = 4 of G = 8

@@ -20,9 +20,9 @@ Everything after the opening is ours [our choice]:
     prompt label ("Attempt:", "Verdict:", "Ruled out:") is cut there (drop_copied_scaffold).
   * --mode search (search), on held-out problems: round 0 (K samples of x per problem) is shared;
     then each round, for every problem an arm has not solved: evolve, --children children;
-    independent, --children samples of x (the source's Pass@N); same tokens, samples of x up to
-    evolution's tokens read + written. With --backend hf each arm has its own seeded stream.
-    Evolve's verdicts f(y) are made against the gold answer: an oracle checker the other arms lack.
+    independent, --children samples of x (the source's Pass@N); same tokens, samples of x until
+    their tokens read + written reach evolution's (the last pass may go past). With --backend hf
+    each arm has its own seeded stream. Evolve's f(y) reads the gold answer: an oracle checker.
 
 --mode train (main, the default) is GRPO (Group Relative Policy Optimization) with a rescue:
 For every prompt x, sample a group of G completions y_1..y_G from the current policy, score each
@@ -56,15 +56,15 @@ The update (policy_loss, aggregate_loss, train_step):
     token-mean    sum over the batch's tokens / their number               (DAPO, the default)
     seq-mean      mean over each sequence's tokens, then over sequences    (original GRPO)
     seq-sum-norm  sum / (number of sequences x --max-new-tokens)           (Dr. GRPO)
-  k3, Schulman's third estimator of KL(pi_theta || pi_ref), is unbiased as a value on tokens
-  pi_theta sampled; as a loss its gradient is that of KL(pi_ref || pi_theta), the reverse direction
-  (as in TRL and verl). Our A_i is sqrt(G / (G - 1)) times TRL's and verl's (their std divides by
-  G - 1). With beta = 0 a row with A = 0 is never forwarded, so --filter-groups only rescales the
-  loss. clip_frac_trained and entropy_trained (metrics.jsonl) cover the forwarded rows only.
-  [our choice] pi_old is the sampling policy as the trainer computes it (--ppo-epochs 1: ratio 1,
-  pi_old = logp.detach()); vLLM's own log-probs only check the weight sync (logp_mismatch_*). A
-  completion with A = 0 and no KL has no gradient: not forwarded (it still counts in the
-  normalisers). Weights and AdamW state are float32; --dtype is the compute precision.
+  k3, Schulman's third estimator of the Kullback-Leibler divergence KL(pi_theta || pi_ref), is
+  unbiased as a value on tokens pi_theta sampled; as a loss its gradient is that of KL(pi_ref ||
+  pi_theta), the reverse direction (as in TRL and verl). Our A_i is sqrt(G / (G - 1)) times TRL's
+  and verl's (their std divides by G - 1). [our choice] pi_old is the sampling policy as the trainer
+  computes it (--ppo-epochs 1: ratio 1, pi_old = logp.detach()); vLLM's own log-probs only check the
+  weight sync (logp_mismatch_*). A completion with A = 0 and no KL has no gradient: it is not
+  forwarded but counts in the normalisers (with beta = 0, --filter-groups only rescales the loss);
+  clip_frac_trained and entropy_trained (metrics.jsonl) cover the forwarded rows only. Weights and
+  AdamW state are float32; --dtype is the compute precision.
 
 Run:
     python sampling_evolve.py                           # train: GRPO + rescue of all-wrong groups
@@ -141,14 +141,14 @@ class Attempt:
     truncated: bool  # no stop id, or cut where it copied a prompt label
     feedback: str  # f(y), the verdict later prompts show: made against the gold answer
     ids: list | None  # y's token ids, for this step's training only (None after the step)
-    prompt: list | None  # the ids of the prompt y was sampled from (x or E(x, S)), the same
+    prompt: list | None  # the ids of the prompt y was sampled from (x or E(x, S)); as ids
 
 def add_attempt(db, text, gold, ids, truncated, prompt, step, round_, parents):
     """D_x <- D_x + {(y, a(y), r(y), f(y), parents, round)}: one scored attempt into db."""
     answer = verifier.extract_answer(text)  # a(y)
     feedback = verifier.feedback(text, gold) if answer else "No final answer found."  # f(y)
     db.append(Attempt(len(db), step, round_, parents, text, answer, verifier.reward(text, gold),
-                      truncated, feedback, ids, prompt))
+                      truncated, feedback, ids, prompt))  # D_x <- D_x + {y}
 
 def solved(db, since=0):
     """Whether an attempt from attempt `since` on is right."""
@@ -157,10 +157,10 @@ def solved(db, since=0):
 def select_parents(db, n_parents):
     """S = select(D_x): the latest wrong attempt of each answer (shuffled), then the rest."""
     wrong = [attempt for attempt in reversed(db) if attempt.reward < 1]  # latest first
-    firsts = list({a.answer: a for a in reversed(wrong)}.values())  # a later one overwrites
-    random.shuffle(firsts)
-    chosen = {attempt.id for attempt in firsts}
-    return (firsts + [attempt for attempt in wrong if attempt.id not in chosen])[:n_parents]
+    latest = list({a.answer: a for a in reversed(wrong)}.values())  # last write wins (None too)
+    random.shuffle(latest)
+    chosen = {attempt.id for attempt in latest}
+    return (latest + [attempt for attempt in wrong if attempt.id not in chosen])[:n_parents]
 
 def ruled_out(db):
     """Every distinct wrong final answer in the database, in the order first tried."""
@@ -189,7 +189,7 @@ def evolution_prompt(tokenizer, question, db, args):
     return encode_prompt(tokenizer, text, args.system_prompt, args.chat_template_kwargs), parents
 
 def drop_copied_scaffold(tokenizer, ids):
-    """(ids, text, cut): the child up to a prompt label it copies (never scored nor trained)."""
+    """(ids, text, cut): the child cut before a prompt label it copies (the label on: dropped)."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
     copied = LABELS.search(text)
     if copied is None:
@@ -203,15 +203,15 @@ def evolve_round(sampler, tokenizer, problems, dbs, step, round_, args):
     """Round r: --children attempts per problem from E(x, S), stored in dbs: (read, written)."""
     built = [evolution_prompt(tokenizer, p["question"], db, args) for p, db in zip(problems, dbs)]
     prompts = [prompt for prompt, _ in built]  # E(x, S) of each problem, chat-template ids
-    parents = [shown for _, shown in built]  # S of each problem
+    shown = [parents for _, parents in built]  # S of each problem: the attempts its prompt shows
     C = args.children
     # round r: y ~ pi_theta(.|E(x, S)), C children per prompt in the prompts' order
-    children = sampler.generate(prompts, C, args.max_new_tokens, args.temperature)  # [A * C]
+    children = sampler.generate(prompts, C, args.max_new_tokens, args.temperature)  # problems x C
     for k, child in enumerate(children):
         j = k // C  # the problem this child answers
         ids, text, cut = drop_copied_scaffold(tokenizer, child["ids"])
         add_attempt(dbs[j], text, problems[j]["answer"], ids, child["truncated"] or cut,
-                    prompts[j], step, round_, [attempt.id for attempt in parents[j]])
+                    prompts[j], step, round_, [attempt.id for attempt in shown[j]])
     return C * sum(map(len, prompts)), sum(len(child["ids"]) for child in children)
 
 def join_evolved(samples, rewards, groups, dbs, since, group_size, max_evolved):
@@ -243,12 +243,12 @@ def tree_line(problem, db, **extra):
                        "nodes": nodes}) + "\n"
 
 # ------------------------------------------------------------------------ the method: search
-# Evolve's verdicts and ruled-out list come from the gold answer: Pass@N with an oracle checker.
+# All arms are scored on the gold answer; evolve's prompts also use it (verdicts): an oracle.
 @dataclasses.dataclass
 class Arm:
     """One arm of the search, so far (cumulative over rounds)."""
     solved: list  # [N] bools: some attempt of this arm at problem i was right
-    samples: int = 0  # attempts sampled, all problems together
+    samples: int = 0  # the number of attempts sampled, all problems together
     tokens_read: int = 0  # prompt tokens read: each sample reads its prompt once
     tokens_written: int = 0  # completion tokens written
     def spent(self):
@@ -272,19 +272,19 @@ def sample_bare(sampler, tokenizer, problems, bare, arm, todo, n, args):
     return samples, texts
 
 def same_tokens_top_up(sampler, tokenizer, problems, bare, arm, target, args):
-    """Samples of x for the arm's unsolved problems until it has spent `target` (read + written),
-    evolution's spend: the comparison at equal cost. A pass buys what the deficit pays for."""
+    """Samples of x for the arm's unsolved problems until it has spent `target` (read + written,
+    evolution's spend); each pass buys what the tokens left buy at the arm's mean per sample."""
     while arm.spent() < target and arm.unsolved():
         todo = arm.unsolved()
         tokens_per_sample = arm.spent() / arm.samples  # this arm's mean so far (read + written)
         affordable = max(1, int((target - arm.spent()) / tokens_per_sample))  # samples, >= 1
-        if affordable < len(todo):  # not one each: one for each of that many, drawn at random
+        if affordable < len(todo):  # fewer than one per problem: one each for that many, at random
             todo = sorted(random.sample(todo, affordable))
         sample_bare(sampler, tokenizer, problems, bare, arm, todo, affordable // len(todo), args)
 
-def seed_arm(seed, arm, round_):
-    """An arm's round seeded from (--seed, arm, round): no other arm moves its draws (hf only)."""
-    derived = int(np.random.SeedSequence([seed, arm, round_]).generate_state(1)[0])
+def seed_arm(seed, arm_index, round_):
+    """Seed from (--seed, arm, round): one arm's draws never shift another's (HF generate only)."""
+    derived = int(np.random.SeedSequence([seed, arm_index, round_]).generate_state(1)[0])
     random.seed(derived)
     torch.manual_seed(derived)  # CUDA's generators too
 
@@ -294,8 +294,8 @@ def search(args):
     training = argparse.ArgumentParser()  # a training flag the user changed does nothing here
     add_training_args(training)
     defaults = vars(parse_args([]))
-    ignored = [f"--{k.replace('_', '-')}" for k in [*vars(training.parse_args([])), "max_evolved"]
-               if getattr(args, k) != defaults[k] and k != "group_size"]  # K of round 0: used
+    train_only = [k for k in [*vars(training.parse_args([])), "max_evolved"] if k != "group_size"]
+    ignored = [f"--{k.replace('_', '-')}" for k in train_only if getattr(args, k) != defaults[k]]
     if ignored:
         print(f"warning: {', '.join(ignored)}: --mode train only, ignored", file=sys.stderr)
     random.seed(args.seed)  # as Run seeds a training run
@@ -348,11 +348,11 @@ def search(args):
                         C, args)
         seed_arm(args.seed, 2, round_)
         same_tokens_top_up(sampler, tokenizer, problems, bare, same_tokens, evolve.spent(), args)
-        row = {name: {**vars(arm), "solved": float(np.mean(arm.solved))}
-               for name, arm in arms.items()}
-        table.append({"round": round_, "samples_per_problem": K + C * round_, **row})
+        by_arm = {name: {**vars(arm), "solved": float(np.mean(arm.solved))}  # solved: a share
+                  for name, arm in arms.items()}
+        table.append({"round": round_, "samples_per_problem": K + C * round_, **by_arm})
         print(f"round {round_} ({K + C * round_} samples per problem), solved: " + ", ".join(
-            f"{name} {arm['solved']:.3f}" for name, arm in row.items()))  # tokens: summary.json
+            f"{name} {stats['solved']:.3f}" for name, stats in by_arm.items()))  # tokens: summary
     with open(os.path.join(args.output_dir, "evolution_trees.jsonl"), "w") as f:
         f.writelines(tree_line(problem, db) for problem, db in zip(problems, dbs))
     summary = {"mode": "search", "rounds": table, "problems": len(problems),
@@ -510,9 +510,9 @@ def main(argv=None):
         if rescues:  # how far off-policy a rescued row is for the bare prompt, before the update
             ids = [child.ids for _, child in rescues]
             bare = [prompts[row // G] for row, _ in rescues]
-            on_x = sequence_logprobs(run.model, bare, ids, args)  # log pi_theta(y|x) [R]
-            on_e = sequence_logprobs(run.model, [c.prompt for _, c in rescues], ids, args)  # (y|E)
-            off_policy["evolved_logp_gap_mean"] = (on_x - on_e).mean().item()
+            on_x = sequence_logprobs(run.model, bare, ids, args)  # log pi_theta(y|x), per rescue
+            on_e = sequence_logprobs(run.model, [c.prompt for _, c in rescues], ids, args)  # y|E
+            off_policy["evolved_logp_gap_mean"] = (on_x - on_e).mean().item()  # log pi(y|x)/pi(y|E)
         # (5) GRPO on every group: A_i = (r_i - mean(r)) / (std(r) + 1e-4), after the rescues
         advantages = group_advantages(rewards, G, args.scale_rewards)  # [P * G]
         zero_std = rewards.view(-1, G).std(dim=1) == 0  # [groups]: all rewards equal

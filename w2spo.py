@@ -1,17 +1,17 @@
 """W2SPO: weak-to-strong off-policy reinforcement learning through auxiliary branches, in one file.
 
 Wang et al., "It Takes 8 Tokens: Weak-to-Strong Off-Policy RL via Auxiliary Branches" (arXiv
-2607.16205). On a hard prompt the G samples often fall into one wrong "reasoning basin": equal
-rewards, no signal. A weaker auxiliary model diverts the target in the middle of its reasoning, and
-the target finishes from there. Per prompt x (the steps are numbered as in sample_groups and main):
+2607.16205). On a hard prompt the G samples (--group-size) often fall into one wrong "reasoning
+basin": equal rewards, no signal. A weaker auxiliary model diverts the target in the middle of its
+reasoning; the target finishes from there. Per prompt x (steps as in sample_groups and main):
 
  1. q           ~ pi_theta(. | x)        one target prefix rollout; n: its tokens before its stop id
  2. b           in [LOW n, HIGH n], 1 <= b <= n - 1   the branch point (--branch-at, --branch-range)
-    s           = x + q[:b]              the state; a prompt without a b has no group (K of P kept)
+    s           = x + q[:b]              the state; a prompt with no b is skipped: K of P kept
  3. y_1..y_Bt   ~ pi_theta(. | s)        B_t = G - B_a target branches of <= L tokens (--branch-len)
     y_Bt+1..y_G ~ pi_aux(. | s)          B_a auxiliary branches (--aux-model, --aux-branches)
  4. c_i         ~ pi_theta(. | s, y_i)   the target continues (not after a stop id in y_i)
- 5. r_i         = reward(q[:b] + y_i + c_i)     the group of G branches; 6. its advantages:
+ 5. r_i         = reward(q[:b] + y_i + c_i)     the group of G branches. 6. Advantages:
     A_i = (r_i - mean(r)) / (std(r) + 1e-4)     --scale-rewards group (std divides by G, not G - 1)
     A_i =  r_i - mean(r)                        --scale-rewards none (Dr. GRPO)
 
@@ -21,14 +21,15 @@ without refilling the batch). Sources: DeepSeekMath (GRPO); DAPO (Decoupled clip
 sAmpling Policy Optimization: clip-higher, eps_high > eps_low, and the token-level loss); Dr. GRPO
 (GRPO Done Right: no std, no length normalisation). To carry W2SPO into another GRPO trainer, copy
 Branch, branch_candidates, sample_within, sample_groups (steps 1-5), branch_logprobs, load_aux,
-score_aux_branches, importance_weights, policy_loss; see train_step's lines after "W2SPO" and main.
+score_aux_branches, importance_weights, policy_loss, branch_stats (the logged measures); see
+train_step's lines from "W2SPO" to aggregate_loss, and main.
 
-Trained are the branch tokens y_i of both models, nothing else. The paper's "updates restricted to
-the inserted segments" may also mean the auxiliary's alone; its ablation, target-only branches, is
---aux-branches 0. Worked example, G = 4, B_t = B_a = 2, L = 8, "What is 17 + 25?". The prefix
-rollout "17 + 25 = 17 + 20 + 5 = 37 + 5 = 32. The answer is 32." (n = 36 tokens, a digit per token)
-branches at b = 25, after "37 + 5 =". The target branches " 32. So the answer is" and
-" 32, and the answer is"; the auxiliary " 42. So the answer is" and " 42, which is the answer".
+Only branch tokens y_i are trained, the target's and the auxiliary's alike (the paper's "updates
+restricted to the inserted segments" may mean the auxiliary's alone: no flag here); the paper's
+target-only ablation is --aux-branches 0. Worked example, G = 4, B_t = B_a = 2, L = 8, "What is
+17 + 25?". The prefix rollout "17 + 25 = 17 + 20 + 5 = 37 + 5 = 32. The answer is 32."
+(n = 36 tokens) branches at b = 25, after "37 + 5 =". Target branches: " 32. So the answer is" and
+" 32, and the answer is"; auxiliary ones: " 42. So the answer is" and " 42, which is the answer".
 The target completes them: rewards [0, 0, 1, 1], A = [-1, -1, 1, 1]. The 16 auxiliary tokens are
 pushed up, the 16 target branch tokens down; the target's branches alone were an all-wrong group.
 S2L-PO (arXiv 2605.30789), by contrast, mixes whole small-model rollouts into GRPO groups.
@@ -41,15 +42,15 @@ The update (policy_loss, aggregate_loss, train_step):
     token-mean    sum over the batch's tokens / their number               (DAPO, the default)
     seq-mean      mean over each sequence's tokens, then over sequences    (original GRPO)
     seq-sum-norm  sum / (number of sequences x --branch-len)               (Dr. GRPO)
-  k3, Schulman's third estimator of KL(pi_theta || pi_ref), is unbiased as a value on tokens
-  pi_theta sampled; as a loss its gradient is that of KL(pi_ref || pi_theta), the reverse direction
-  (as in TRL and verl). Our A_i is sqrt(G / (G - 1)) times TRL's and verl's (their std divides by
-  G - 1). With beta = 0 a row with A = 0 is never forwarded, so --filter-groups only rescales the
-  loss. clip_frac_trained and entropy_trained (metrics.jsonl) cover the forwarded rows only.
-  [our choice] pi_old is the sampling policy as the trainer computes it (--ppo-epochs 1: ratio 1,
-  pi_old = logp.detach()); vLLM's own log-probs only check the weight sync (logp_mismatch_*). A
-  completion with A = 0 and no KL has no gradient: not forwarded (it still counts in the
-  normalisers). Weights and AdamW state are float32; --dtype is the compute precision.
+  k3, Schulman's third estimator of the Kullback-Leibler divergence KL(pi_theta || pi_ref), is
+  unbiased as a value on tokens pi_theta sampled; as a loss its gradient is that of KL(pi_ref ||
+  pi_theta), the reverse direction (as in TRL and verl). Our A_i is sqrt(G / (G - 1)) times TRL's
+  and verl's (their std divides by G - 1). [our choice] pi_old is the sampling policy as the trainer
+  computes it (--ppo-epochs 1: ratio 1, pi_old = logp.detach()); vLLM's own log-probs only check the
+  weight sync (logp_mismatch_*). A completion with A = 0 and no KL has no gradient: it is not
+  forwarded but counts in the normalisers (with beta = 0, --filter-groups only rescales the loss);
+  clip_frac_trained and entropy_trained (metrics.jsonl) cover the forwarded rows only. Weights and
+  AdamW state are float32; --dtype is the compute precision.
   W2SPO, x the state s: a target token has w = v = 1. An auxiliary token is off-policy: pi_aux
   (at --aux-temperature) sampled it, not pi_old. --aux-is (IS: importance sampling) sets its w:
     truncated  w = min(pi_old / pi_aux, C), the default, C = --is-cap 2 (verl's truncated IS)
@@ -58,17 +59,16 @@ The update (policy_loss, aggregate_loss, train_step):
                gradient; one with rho >> 1 and A < 0 an unbounded one (--dual-clip c bounds its
                loss by -c A: the dual-clip PPO, proximal policy optimization, of Ye et al. 2020)
     none       w = 1: as if the target had sampled it (S2L-PO's code)
-  and v = min(pi_old / pi_aux, C) (1 under none), as k3 of the Kullback-Leibler divergence (KL)
-  holds on tokens pi_theta sampled. The per-token weight is an approximation: the branch's earlier
-  tokens, and so the reward, came from pi_aux too; branch weighs the whole branch (more variance).
+  and v = min(pi_old / pi_aux, C) (1 under none): k3 estimates KL only on tokens pi_theta sampled.
+  The per-token weight is an approximation: the branch's earlier tokens, and so the reward, came
+  from pi_aux too; branch weighs the whole branch (more variance).
 
 [our choice] (the paper's method section is not available; each is a flag):
-  * one prefix rollout per prompt, not a group member; B_a = G/2 (--aux-branches).
+  * one prefix rollout per prompt, not a group member; B_a = G - G // 2, half (--aux-branches).
   * --branch-at uniform, or entropy (the highest-entropy position in the range, as TreeRL and FR3E).
   * no --aux-model: a frozen copy of the starting --model, hotter (--aux-temperature 1.3) so that
     it differs, stands in for a smaller model of the same family (one offline model exists here).
-  * q[:b] + y_i + c_i stays within --max-new-tokens: after a late b, c_i is short (logged:
-    continuation_len_mean, truncated_frac).
+  * q[:b] + y_i + c_i fits in --max-new-tokens: after a late b, c_i is short (truncated_frac).
   * the task is arith-steps (verifier.py): working to branch into, not a 2-token answer.
 
 Run:
@@ -101,7 +101,7 @@ def parse_args(argv=None):
     add = parser.add_argument
     add("--aux-model", help="frozen auxiliary, the target's vocabulary (default: --model's copy)")
     add("--aux-temperature", type=positive, help="default 1.3 for the copy, else --temperature")
-    add("--aux-branches", type=bounded(int, 0), help="B_a (default G/2); B_t = G - B_a")
+    add("--aux-branches", type=bounded(int, 0), help="B_a (default: G / 2 rounded up)")
     add("--branch-len", type=bounded(int, 1), default=8, help="L: tokens per branch (trained)")
     add("--branch-at", default="uniform", choices=["uniform", "entropy"], help="branch point")
     add("--branch-range", type=float, nargs=2, default=[0.2, 0.8], metavar=("LOW", "HIGH"),
@@ -201,8 +201,8 @@ def sample_groups(sampler, aux_sampler, tokenizer, prompts, problems, args):
                                 args.aux_temperature)  # K * B_a, state-major
     aux_branches = [Branch(states[j // B_a], kept[j // B_a][1], sample["ids"], True, [],
                            sample["truncated"]) for j, sample in enumerate(aux_samples)]  # K * B_a
-    # 3. and 4. in one target call: B_t rows per state (a row's first L tokens are its branch y,
-    # the rest its continuation c), then the continuation c of every auxiliary branch still open
+    # 3. and 4. in one target call: y ~ pi_theta(. | s) and c ~ pi_theta(. | s, y), B_t rows per
+    # state (a row's first L tokens are y, the rest c); then c of every auxiliary branch still open
     still_open = [branch for branch in aux_branches  # no stop id yet, and tokens left
                   if branch.truncated and branch.prefix_len + len(branch.ids) < N]
     starts = [s for s in states for _ in range(B_t)]  # K * B_t target rows, state-major
@@ -217,9 +217,9 @@ def sample_groups(sampler, aux_sampler, tokenizer, prompts, problems, args):
     for k, (i, b) in enumerate(kept):
         group = []
         for sample in target_samples[k * B_t: (k + 1) * B_t]:
-            engine_logprobs = sample["sampler_logprobs"]
+            engine_logprobs = sample["sampler_logprobs"] or []  # vLLM's, else none
             group.append(Branch(states[k], b, sample["ids"][:L], False, sample["ids"][L:],
-                                sample["truncated"], engine_logprobs and engine_logprobs[:L]))
+                                sample["truncated"], engine_logprobs[:L] or None))  # y, then c
         group += aux_branches[k * B_a: (k + 1) * B_a]
         for branch in group:  # 5. r_i = reward(q[:b] + y_i + c_i)
             completion = rollouts[i][:b] + branch.ids + branch.continuation
@@ -252,18 +252,18 @@ def score_aux_branches(model, aux_model, branches, args):
     aux_logp = branch_logprobs(aux_model, states, ids, args.aux_temperature, args)[0]  # [a, T]
     for branch, row in zip(aux_branches, aux_logp.tolist()):
         branch.aux_logprobs = row[: len(branch.ids)]
-    is_aux = pad(ids, 0)[1].bool().to(old_logp.device)  # [a, T]: the branches' tokens
-    log_ratio = torch.where(is_aux, old_logp - aux_logp, 0.0)  # [a, T]: log pi_old / pi_aux
-    ratio = torch.exp(log_ratio[is_aux])  # [auxiliary tokens]
-    outside = (ratio < 1 - args.eps_low) | (ratio > 1 + args.eps_high)
-    capped = ratio > args.is_cap  # [auxiliary tokens]
+    real = pad(ids, 0)[1].bool().to(old_logp.device)  # [a, T]: the branches' tokens, no padding
+    log_ratio = torch.where(real, old_logp - aux_logp, 0.0)  # [a, T]: log pi_old / pi_aux
+    ratio = torch.exp(log_ratio[real])  # [auxiliary tokens]
+    outside = (ratio < 1 - args.eps_low) | (ratio > 1 + args.eps_high)  # clip's rho at its start
+    capped = ratio > args.is_cap  # [auxiliary tokens]: where C binds (truncated; v under --beta)
     if args.aux_is == "branch":  # C binds on the product of a branch's ratios
         capped = torch.exp(log_ratio.sum(dim=1)) > args.is_cap  # [a]
-    weights = importance_weights(log_ratio, is_aux, args.aux_is, args.is_cap)  # [a, T]
-    return {"aux_log_ratio_mean": log_ratio[is_aux].mean().item(),  # -KL(pi_aux || pi_old)
+    weights = importance_weights(log_ratio, real, args.aux_is, args.is_cap)  # w   [a, T]
+    return {"aux_log_ratio_mean": log_ratio[real].mean().item(),  # -KL(pi_aux || pi_old)
             "aux_outside_clip_frac": outside.float().mean().item(),
             "aux_capped_frac": capped.float().mean().item(),
-            "aux_weight_mean": weights[is_aux].mean().item()}
+            "aux_weight_mean": weights[real].mean().item()}
 
 def load_aux(args):
     """The frozen auxiliary (fp32 on the CPU; main places it), before Run: a vocabulary not the
@@ -296,13 +296,13 @@ def group_advantages(rewards, group_size, scale="group"):
 def importance_weights(log_ratio, is_aux, aux_is, is_cap):
     """w [b, T] of --aux-is from log_ratio = log pi_old - log pi_aux [b, T]; 1 where not is_aux."""
     if aux_is == "truncated":
-        capped = torch.exp(log_ratio).clamp(max=is_cap)  # w = min(pi_old / pi_aux, C)   [b, T]
+        w = torch.exp(log_ratio).clamp(max=is_cap)  # w = min(pi_old / pi_aux, C)   [b, T]
     elif aux_is == "branch":  # one weight per branch
         per_branch = torch.exp(log_ratio.sum(dim=1, keepdim=True)).clamp(max=is_cap)  # [b, 1]
-        capped = per_branch.expand_as(log_ratio)  # w = min(prod_t pi_old / pi_aux, C)   [b, T]
+        w = per_branch.expand_as(log_ratio)  # w = min(prod_t pi_old / pi_aux, C)   [b, T]
     else:  # clip, none: w = 1
-        capped = torch.ones_like(log_ratio)  # [b, T]
-    return torch.where(is_aux, capped, 1.0)  # the target's own tokens keep w = 1, whatever C
+        w = torch.ones_like(log_ratio)  # [b, T]
+    return torch.where(is_aux, w, 1.0)  # the target's own tokens keep w = 1, whatever C
 
 def policy_loss(logp, old_logp, advantages, eps_low, eps_high, ref_logp=None, beta=0.0,
                 weights=1.0, kl_weights=1.0, dual_clip=None):
@@ -383,7 +383,7 @@ def train_step(model, optimizer, batch, args, ref_model=None):
             aux_logp = pad(aux_rows, 0.0, dtype=torch.float32)[0].to(logp)  # log pi_aux   [b, t]
             log_ratio_aux = torch.where(is_aux, old_logp - aux_logp, 0.0)  # log pi_old / pi_aux
             weights = importance_weights(log_ratio_aux, is_aux, args.aux_is, args.is_cap)  # w
-            kl_mode = "none" if args.aux_is == "none" else "truncated"  # v = 1 under none
+            kl_mode = "none" if args.aux_is == "none" else "truncated"  # v = min(pi_old/pi_aux, C)
             kl_weights = importance_weights(log_ratio_aux, is_aux, kl_mode, args.is_cap)  # v
             if args.aux_is == "clip":
                 old_logp = torch.where(is_aux, aux_logp, old_logp)  # rho = pi_theta / pi_aux
@@ -431,12 +431,12 @@ def branch_stats(branches, rewards, args):
     by_aux = torch.tensor([branch.by_aux for branch in branches], dtype=torch.bool)  # [K * G]
     target_right = (rewards * ~by_aux).view(-1, G).sum(dim=1)  # [K]: right target branches
     aux_right = (rewards * by_aux).view(-1, G).sum(dim=1)  # [K]: right auxiliary branches
-    # the paper's measure: groups the target's branches alone would have lost
+    # aux_rescued_frac is the paper's measure: target branches all wrong, an auxiliary one right
     stats = {"target_all_wrong_frac": (target_right == 0).float().mean().item(),
              "aux_rescued_frac": ((target_right == 0) & (aux_right > 0)).float().mean().item(),
              "prefix_len_mean": float(np.mean([branch.prefix_len for branch in branches[::G]])),
              "branch_len_mean": float(np.mean([len(branch.ids) for branch in branches])),
-             "continuation_len_mean": float(np.mean([len(b.continuation) for b in branches])),
+             "continuation_len_mean": float(np.mean([len(br.continuation) for br in branches])),
              "truncated_frac": float(np.mean([branch.truncated for branch in branches]))}
     if args.target_branches:
         stats["reward_target_mean"] = rewards[~by_aux].mean().item()

@@ -6,7 +6,7 @@ over several seeds, in one invocation.
     python tests/bench_precision.py --script passk.py -- --steps 4    # flags after -- go to the script
 
 Each run is `python grpo.py --dtype D --seed S` in its own process, one after the other. Printed: per run
-the held-out pass@1 before -> after and the mean seconds a step (metrics.jsonl); per precision the mean and
+the held-out pass@1 before -> after and the mean seconds per step (metrics.jsonl); per precision the mean and
 spread (min..max, and the sample std) of the pass@1 gain over the seeds; the bf16 / fp32 ratio of the mean
 step time; and whether this CPU has native bf16 instructions (avx512_bf16 or amx_bf16 in /proc/cpuinfo):
 without them torch emulates bf16 and autocast is slower, not faster. The rule the README applies: bf16
@@ -66,7 +66,7 @@ def main():
         means[dtype] = (statistics.mean(gains), statistics.mean(steps))
         spread = f"{min(gains):+.3f}..{max(gains):+.3f}" + (f", std {statistics.stdev(gains):.3f}"
                                                             if len(gains) > 1 else "")
-        print(f"{dtype}: pass@1 gain mean {means[dtype][0]:+.3f} ({spread}); {means[dtype][1]:.1f} s a step")
+        print(f"{dtype}: pass@1 gain mean {means[dtype][0]:+.3f} ({spread}); {means[dtype][1]:.1f} s per step")
     if len(means) == 2:
         print(f"bf16 / fp32: step time {means['bfloat16'][1] / means['float32'][1]:.2f}x; mean gain difference "
               f"{means['bfloat16'][0] - means['float32'][0]:+.3f}")

@@ -10,7 +10,7 @@ Flags: --model --steps --prompts-per-step --group-size --max-new-tokens --lr --m
 Runs grpo.py's default run (HF generate, fp32, its defaults otherwise: beta 0, eps 0.2/0.28, token-mean
 loss, group-std advantages, temperature 1) in a process of its own (`--ours-worker`: grpo.main with the
 flags `python grpo.py` would get, its sampler timed from outside), then TRL in its own process
-(`--trl-worker`), one after the other, so each ru_maxrss peak is its own. Prints seconds a step (and of
+(`--trl-worker`), one after the other, so each ru_maxrss peak is its own. Prints seconds per step (and of
 them sampling), peak memory, held-out pass@1 (and pass@k) before and after for both, then the TRL / ours
 ratios and a JSON line.
 
@@ -29,7 +29,7 @@ uniform scale). The random streams: both seed, but draw in another order, so the
 The generation code path (TRL repeats each prompt G times in one generate call; ours asks generate for G
 return sequences), TRL's shuffle of completions across micro-batches (the sum is the same), ours
 skipping the forward/backward of zero-advantage completions (exact with beta 0; TRL forwards them all),
-and TRL's own bookkeeping (entropies, metric gathering) inside its step. Seconds a step: ours from
+and TRL's own bookkeeping (entropies, metric gathering) inside its step. Seconds per step: ours from
 metrics.jsonl; TRL from on_step_begin to on_step_end (generation, rewards, every micro-batch and the
 optimizer step; its per-step logging after on_step_end is left out). Sampling seconds (grpo.py logs none):
 ours the training steps' Sampler.generate calls, timed around them by --ours-worker (the evaluations'
@@ -111,7 +111,7 @@ def run_ours(args, folder):
     summary = json.loads((out / "summary.json").read_text())
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     sample_seconds = json.loads(result_file.read_text())["sample_seconds"]
-    if len(sample_seconds) != len(steps):  # grpo.main samples once a step
+    if len(sample_seconds) != len(steps):  # grpo.main samples once per step
         sys.exit(f"bench_vs_trl.py: {len(sample_seconds)} timed sampler calls for {len(steps)} steps of grpo.py")
     return {"seconds_per_step": summary["seconds_per_step"], "peak_memory_gb": summary["peak_memory_gb"],
             "sample_seconds": sum(sample_seconds) / len(sample_seconds),
@@ -141,7 +141,7 @@ def trl_worker(args):
     model, tokenizer = grpo.load_model(gargs.model, torch.float32, device)  # fp32, pad = eos, as ours
     before = grpo.evaluate(grpo.Sampler("hf", model, tokenizer), tokenizer, held_out, gargs)
 
-    # The prompts in grpo.py's order, one row per prompt a step: with shuffle_dataset=False TRL's RepeatSampler
+    # The prompts in grpo.py's order, one row per prompt per step: with shuffle_dataset=False TRL's RepeatSampler
     # takes them in order, P at a time, each repeated G times.
     order = np.random.default_rng(gargs.seed).permutation(len(train))
     picks = [train[order[i % len(order)]] for i in range(gargs.steps * P)]
@@ -180,7 +180,7 @@ def trl_worker(args):
         output_dir=str(Path(args.trl_worker).parent / "trl"), use_cpu=device == "cpu", bf16=False, fp16=False,
         seed=gargs.seed, max_steps=gargs.steps, num_generations=G, max_completion_length=gargs.max_new_tokens,
         # micro-batches of mb; mb x accumulation = P x G completions an optimizer step. steps_per_generation
-        # defaults to gradient_accumulation_steps, so generation_batch_size = P x G: one generation a step.
+        # defaults to gradient_accumulation_steps, so generation_batch_size = P x G: one generation per step.
         per_device_train_batch_size=mb, gradient_accumulation_steps=P * G // mb, num_iterations=1,
         shuffle_dataset=False, temperature=gargs.temperature, top_p=1.0, top_k=0,
         learning_rate=gargs.lr, lr_scheduler_type="constant", warmup_steps=0,  # TRL's default decays linearly
@@ -243,12 +243,12 @@ def main():
           f"{c['gradient_accumulation_steps']} = {c['per_device_train_batch_size'] * c['gradient_accumulation_steps']}"
           f" completions an optimizer step; generation_batch_size {c['generation_batch_size']} = "
           f"{c['generation_batch_size'] // c['num_generations']} prompts x num_generations {c['num_generations']}, "
-          f"steps_per_generation {c['steps_per_generation']} (one generation a step); loss_type {c['loss_type']}, "
+          f"steps_per_generation {c['steps_per_generation']} (one generation per step); loss_type {c['loss_type']}, "
           f"lr schedule {c['lr_scheduler_type']}")
-    print(f"TRL observed: completions scored a step {trl['completions_per_step']}, micro-batch sizes "
+    print(f"TRL observed: completions scored per step {trl['completions_per_step']}, micro-batch sizes "
           f"{trl['micro_batches_per_step']}; prompt order as grpo.py: {trl['prompt_order_matches']}; "
           f"prompt tokens as grpo.encode_prompt: {trl['prompt_tokens_match']}")
-    print(f"forward/backward a step: ours {ours['trained_sequences']} of {P * G} (zero-advantage completions skipped), "
+    print(f"forward/backward per step: ours {ours['trained_sequences']} of {P * G} (zero-advantage completions skipped), "
           f"TRL all {P * G}; groups with equal rewards: ours {ours['frac_zero_std']}, TRL {trl['frac_zero_std']}")
     k = args.eval_k
     print(f"{'method':<8}{'s/step':>9}{'sample s':>10}{'peak GB':>9}{'pass@1 before':>15}{'pass@1 after':>14}"

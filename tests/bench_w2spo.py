@@ -2,7 +2,7 @@
 
 The paper's claim (arXiv 2607.16205): at the same sampling budget, fewer all-wrong groups and a
 faster step than GRPO. This runs both scripts for real on the same model, seed and task (default:
-SmolLM2-135M-Instruct on arith-steps, --max-new-tokens 48, 8 prompts x G = 8 a step): grpo.py for
+SmolLM2-135M-Instruct on arith-steps, --max-new-tokens 48, 8 prompts x G = 8 per step): grpo.py for
 --steps steps, then w2spo.py with --token-budget set to what GRPO sampled (it stops after the step
 that reaches it). It prints sampled and trained tokens, all-wrong and zero-std group fractions,
 held-out pass@1 and, the cost measure, seconds of training per 1,000 sampled tokens (train_seconds:

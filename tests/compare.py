@@ -285,7 +285,7 @@ def main(argv=None):
                      "--temperature", str(s["temperature"])]
     rse_flags = shared + ["--rounds", str(s["rounds"]), "--samples-per-round", str(s["samples"]),
                           "--top-p", "1.0", "--top-k", "0"]
-    # K first samples + K children in each later round = RSE's K a round, round for round
+    # K first samples + K children in each later round = RSE's K per round, round for round
     evolve_flags = shared + ["--mode", "search", "--group-size", str(s["samples"]), "--children", str(s["samples"]),
                              "--rounds", str(s["rounds"] - 1)]
     rse = run_script("rse_search.py", rse_flags, out / "rse_search") if wanted("rse_search") \

@@ -58,7 +58,7 @@ def row(name, out):
     shown = (f"pass@1 {pct(s['pass@1_before'])} → **{pct(s['pass@1_after'])}**, pass@{k} "
              f"{pct(s['pass@k_before'])} → {pct(s['pass@k_after'])}")
     what = f"{s['steps']} steps, {s['args']['eval_problems']} held-out problems"
-    return f"| `python {name}.py` | {what} | {shown} | {cost}, {s['seconds_per_step']:.1f} s a step |"
+    return f"| `python {name}.py` | {what} | {shown} | {cost}, {s['seconds_per_step']:.1f} s per step |"
 
 
 def main(argv=None):

@@ -399,7 +399,7 @@ def test_same_seed_same_run(tiny_model_dir, tmp_path):
 
 
 def test_databases_kept_across_steps_and_through_resume(tiny_model_dir, tmp_path):
-    """8 problems, 4 a step: step 3 meets step 1's problems again. A problem evolved both times
+    """8 problems, 4 per step: step 3 meets step 1's problems again. A problem evolved both times
     starts its second visit from its first visit's attempts; --resume after step 1 ends as the
     uninterrupted run (metrics, trees, summary)."""
     flags = ["--steps", "3", "--save-every", "1", "--rounds", "1"]

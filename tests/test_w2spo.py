@@ -467,7 +467,7 @@ def test_target_only_branches_never_touch_the_auxiliary(tiny_model_dir, tmp_path
 
 def test_the_docstring_says_what_is_trained():
     doc = w2spo.__doc__
-    assert "branch tokens y_i of both models" in doc and "--aux-branches 0" in doc
+    assert "the target's and the auxiliary's alike" in doc and "--aux-branches 0" in doc
     assert "auxiliary's alone" in doc  # the abstract's other reading
 
 
