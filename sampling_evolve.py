@@ -141,7 +141,7 @@ class Attempt:
     truncated: bool  # no stop id, or cut where it copied a prompt label
     feedback: str  # f(y), the verdict later prompts show: made against the gold answer
     ids: list | None  # y's token ids, for this step's training only (None after the step)
-    prompt: list | None  # the ids of the prompt y was sampled from (x or E(x, S)); as ids
+    prompt: list | None  # the prompt y was sampled from (x or E(x, S)), ids; None after the step
 
 def add_attempt(db, text, gold, ids, truncated, prompt, step, round_, parents):
     """D_x <- D_x + {(y, a(y), r(y), f(y), parents, round)}: one scored attempt into db."""
@@ -189,7 +189,7 @@ def evolution_prompt(tokenizer, question, db, args):
     return encode_prompt(tokenizer, text, args.system_prompt, args.chat_template_kwargs), parents
 
 def drop_copied_scaffold(tokenizer, ids):
-    """(ids, text, cut): the child cut before a prompt label it copies (the label on: dropped)."""
+    """(ids, text, cut): the child cut where it copies a prompt label (what follows: dropped)."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
     copied = LABELS.search(text)
     if copied is None:

@@ -64,7 +64,7 @@ The update (policy_loss, aggregate_loss, train_step):
   from pi_aux too; branch weighs the whole branch (more variance).
 
 [our choice] (the paper's method section is not available; each is a flag):
-  * one prefix rollout per prompt, not a group member; B_a = G - G // 2, half (--aux-branches).
+  * one prefix rollout per prompt, not a group member; B_a = G - G // 2 (G/2 rounded up).
   * --branch-at uniform, or entropy (the highest-entropy position in the range, as TreeRL and FR3E).
   * no --aux-model: a frozen copy of the starting --model, hotter (--aux-temperature 1.3) so that
     it differs, stands in for a smaller model of the same family (one offline model exists here).
