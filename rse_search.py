@@ -375,7 +375,8 @@ def majority_correct(texts, gold):
 def solve(sampler, tokenizer, prompts, problems, K, args):
     """Omega_r: K samples per problem -> texts [P * K], c_r(x) [P], statistics, a record each."""
     samples = generate(sampler, prompts, K, args.max_new_tokens, args, "solve")
-    texts = tokenizer.batch_decode([s["ids"] for s in samples], skip_special_tokens=True)
+    texts = [completion_text(tokenizer, prompts[j // K], sample["ids"])  # as the verifier reads
+             for j, sample in enumerate(samples)]
     correct = [verifier.reward(t, problems[j // K]["answer"]) for j, t in enumerate(texts)]
     right = [int(sum(correct[i * K: (i + 1) * K])) for i in range(len(problems))]  # c_r(x)
     stats = {"pass@1": float(np.mean(right)) / K,  # mean over x of c_r(x) / K
@@ -644,15 +645,42 @@ def encode_prompt(tokenizer, question, system_prompt=None, template_kwargs=None)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 def check_chat_template(tokenizer, args):
-    """Warn at start of template flags that change nothing and of a prompt that opens <think>."""
+    """Say at start that template flags change nothing, or that the prompt opens <think>."""
     plain = encode_prompt(tokenizer, "1 + 1?", args.system_prompt)
     given = encode_prompt(tokenizer, "1 + 1?", args.system_prompt, args.chat_template_kwargs)
     if args.chat_template_kwargs and plain == given:
         print("warning: --chat-template-kwargs changes nothing in the prompt", file=sys.stderr)
-    text = tokenizer.decode(given)
-    if text.rfind("<think>") > text.rfind("</think>"):
-        print("warning: the prompt opens <think>: a completion without </think> is scored on its "
-              "thinking; fit that in --max-new-tokens or turn it off", file=sys.stderr)
+    if opens_think(tokenizer.decode(given)):
+        print("note: the chat template opens <think> in the prompt, so each completion is scored "
+              "as if it began with <think>: a thinking trace that does not close within "
+              f"--max-new-tokens {args.max_new_tokens} earns 0", file=sys.stderr)
+
+def opens_think(text):
+    """Whether text leaves a <think> block open (the last <think> comes after the last </think>)."""
+    return text.rfind("<think>") > text.rfind("</think>")
+
+def completion_text(tokenizer, prompt, completion):
+    """The completion (ids) decoded as the verifier must read it. Some templates (DeepSeek-R1's and
+    its distills') end the generation prompt with "<think>\n", so the model's thinking begins in
+    the prompt and the completion holds only its end. Such a completion is read as if it began
+    with <think>: a thinking trace that never writes </think> then has no final answer, and a
+    number in the middle of the thinking is not mistaken for one."""
+    text = tokenizer.decode(completion, skip_special_tokens=True)
+    return "<think>" + text if opens_think(tokenizer.decode(prompt)) else text
+
+def end_of_turn_id(tokenizer):
+    """The token with which the chat template closes an assistant turn (ChatML's <|im_end|>), found
+    by rendering a short conversation; None if the template writes no special token there. A base
+    checkpoint used with a chat template (Qwen's base models: EOS <|endoftext|>) does not stop at
+    the end of its turn on its own, so the samplers add this token to their stop ids."""
+    probe = "Fine, thank you."  # any reply: the template's text after it closes the turn
+    messages = [{"role": "user", "content": "How are you?"}, {"role": "assistant", "content": probe}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    after = text[text.rfind(probe) + len(probe):].lstrip()  # e.g. "<|im_end|>\n"
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+    if ids and tokenizer.convert_ids_to_tokens(ids[0]) in tokenizer.get_added_vocab():
+        return ids[0]
+    return None
 
 def pad(rows, value, left=False, dtype=torch.long):
     """Lists -> (values [B, width], mask [B, width]: 1 on real entries), padded right or left."""
@@ -725,6 +753,12 @@ class Sampler:
         eos_ids = eos if isinstance(eos, list) else [eos]
         # Every id the checkpoint stops on (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>).
         self.stop_ids = {tokenizer.eos_token_id, *eos_ids} - {None}
+        turn_end = end_of_turn_id(tokenizer)  # the prompts' template closes a turn with it
+        if turn_end is not None and turn_end not in self.stop_ids:
+            self.stop_ids.add(turn_end)
+            print(f"note: sampling {name} also stops at {tokenizer.convert_ids_to_tokens(turn_end)},"
+                  " which ends a turn in the chat template but is not the checkpoint's EOS",
+                  file=sys.stderr)
         set_aside = {key: value for key, value in checkpoint.to_diff_dict().items()
                      if key in SAMPLING_FIELDS}
         if set_aside:
@@ -736,6 +770,11 @@ class Sampler:
         """options: vLLM's SamplingParams or HF generate's extra arguments (stopping_criteria)."""
         if self.backend == "vllm":
             from vllm import SamplingParams
+            limit = self.engine.llm_engine.model_config.max_model_len
+            for prompt in prompts:  # vLLM would raise a traceback on it
+                if len(prompt) >= limit:
+                    die(f"a prompt of {len(prompt)} tokens leaves no room for a completion under "
+                        f"--max-model-len {limit}")
             params = SamplingParams(n=n, temperature=temperature, max_tokens=max_new_tokens,
                                     top_p=top_p, top_k=top_k, stop_token_ids=sorted(self.stop_ids),
                                     logprobs=0, **options)  # logprobs=0: the sampled token's

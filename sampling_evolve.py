@@ -209,7 +209,8 @@ def evolve_round(sampler, tokenizer, problems, dbs, step, round_, args):
     children = sampler.generate(prompts, C, args.max_new_tokens, args.temperature)  # problems x C
     for k, child in enumerate(children):
         j = k // C  # the problem this child answers
-        ids, text, cut = drop_copied_scaffold(tokenizer, child["ids"])
+        ids, _, cut = drop_copied_scaffold(tokenizer, child["ids"])
+        text = completion_text(tokenizer, prompts[j], ids)  # y, as the verifier reads it
         add_attempt(dbs[j], text, problems[j]["answer"], ids, child["truncated"] or cut,
                     prompts[j], step, round_, [attempt.id for attempt in shown[j]])
     return C * sum(map(len, prompts)), sum(len(child["ids"]) for child in children)
@@ -264,7 +265,8 @@ def sample_bare(sampler, tokenizer, problems, bare, arm, todo, n, args):
     """n samples y ~ pi_theta(.|x) per problem in todo, scored, charged: (samples, texts)."""
     prompts = [bare[i] for i in todo]
     samples = sampler.generate(prompts, n, args.max_new_tokens, args.temperature)  # [len(todo) * n]
-    texts = tokenizer.batch_decode([s["ids"] for s in samples], skip_special_tokens=True)
+    texts = [completion_text(tokenizer, prompts[k // n], sample["ids"])
+             for k, sample in enumerate(samples)]
     for k, text in enumerate(texts):
         i = todo[k // n]  # the problem this sample answers
         arm.solved[i] |= verifier.reward(text, problems[i]["answer"]) >= 1
@@ -318,6 +320,9 @@ def search(args):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model, tokenizer = load_model(args.model, dtype, device)
     check_chat_template(tokenizer, args)
+    if engine:  # a prompt that does not fit is an error now, not a traceback later
+        limit = engine.llm_engine.model_config.max_model_len
+        check_prompt_lengths(tokenizer, problems, args, limit, "held-out")
     sampler = Sampler(args.backend, model, tokenizer, engine, dtype)
     bare = [encode_prompt(tokenizer, p["question"], args.system_prompt, args.chat_template_kwargs)
             for p in problems]
@@ -478,7 +483,8 @@ def main(argv=None):
     for step, problems, prompts in run.steps():
         # (1) y_1..y_G ~ pi_theta(.|x) for each prompt, scored: as grpo.py
         samples = run.sampler.generate(prompts, G, args.max_new_tokens, args.temperature)  # P * G
-        texts = run.tokenizer.batch_decode([s["ids"] for s in samples], skip_special_tokens=True)
+        texts = [completion_text(run.tokenizer, prompts[i // G], sample["ids"])
+                 for i, sample in enumerate(samples)]  # as the verifier reads them
         golds = [p["answer"] for p in problems for _ in range(G)]
         rewards = torch.tensor([verifier.reward(t, g) for t, g in zip(texts, golds)])  # [P * G]
         lengths = [len(s["ids"]) for s in samples]  # pi_theta(.|x)'s own samples, before rescues
@@ -706,15 +712,58 @@ def encode_prompt(tokenizer, question, system_prompt=None, template_kwargs=None)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 def check_chat_template(tokenizer, args):
-    """Warn at start of template flags that change nothing and of a prompt that opens <think>."""
+    """Say at start that template flags change nothing, or that the prompt opens <think>."""
     plain = encode_prompt(tokenizer, "1 + 1?", args.system_prompt)
     given = encode_prompt(tokenizer, "1 + 1?", args.system_prompt, args.chat_template_kwargs)
     if args.chat_template_kwargs and plain == given:
         print("warning: --chat-template-kwargs changes nothing in the prompt", file=sys.stderr)
-    text = tokenizer.decode(given)
-    if text.rfind("<think>") > text.rfind("</think>"):
-        print("warning: the prompt opens <think>: a completion without </think> is scored on its "
-              "thinking; fit that in --max-new-tokens or turn it off", file=sys.stderr)
+    if opens_think(tokenizer.decode(given)):
+        print("note: the chat template opens <think> in the prompt, so each completion is scored "
+              "as if it began with <think>: a thinking trace that does not close within "
+              f"--max-new-tokens {args.max_new_tokens} earns 0", file=sys.stderr)
+
+def opens_think(text):
+    """Whether text leaves a <think> block open (the last <think> comes after the last </think>)."""
+    return text.rfind("<think>") > text.rfind("</think>")
+
+def completion_text(tokenizer, prompt, completion):
+    """The completion (ids) decoded as the verifier must read it. Some templates (DeepSeek-R1's and
+    its distills') end the generation prompt with "<think>\n", so the model's thinking begins in
+    the prompt and the completion holds only its end. Such a completion is read as if it began
+    with <think>: a thinking trace that never writes </think> then has no final answer, and a
+    number in the middle of the thinking is not mistaken for one."""
+    text = tokenizer.decode(completion, skip_special_tokens=True)
+    return "<think>" + text if opens_think(tokenizer.decode(prompt)) else text
+
+def end_of_turn_id(tokenizer):
+    """The token with which the chat template closes an assistant turn (ChatML's <|im_end|>), found
+    by rendering a short conversation; None if the template writes no special token there. A base
+    checkpoint used with a chat template (Qwen's base models: EOS <|endoftext|>) does not stop at
+    the end of its turn on its own, so the samplers add this token to their stop ids."""
+    probe = "Fine, thank you."  # any reply: the template's text after it closes the turn
+    messages = [{"role": "user", "content": "How are you?"}, {"role": "assistant", "content": probe}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    after = text[text.rfind(probe) + len(probe):].lstrip()  # e.g. "<|im_end|>\n"
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+    if ids and tokenizer.convert_ids_to_tokens(ids[0]) in tokenizer.get_added_vocab():
+        return ids[0]
+    return None
+
+def check_prompt_lengths(tokenizer, problems, args, limit, which):
+    """Before any sampling: a prompt that leaves no room for one new token under `limit` (vLLM's
+    --max-model-len) is a one-line error; prompts that leave less than --max-new-tokens are
+    counted and reported once, because vLLM ends their completions at the limit."""
+    lengths = [len(encode_prompt(tokenizer, problem["question"], args.system_prompt,
+                                 args.chat_template_kwargs)) for problem in problems]
+    for index, length in enumerate(lengths):
+        if length >= limit:
+            die(f"{which} problem {index + 1} of {len(lengths)} has a prompt of {length} tokens: "
+                f"no room for a completion under --max-model-len {limit}")
+    short = sum(length + args.max_new_tokens > limit for length in lengths)
+    if short:
+        print(f"warning: {short} of {len(lengths)} {which} prompts leave less than --max-new-tokens "
+              f"{args.max_new_tokens} under --max-model-len {limit}: their completions end early",
+              file=sys.stderr)
 
 def pad(rows, value, left=False, dtype=torch.long):
     """Lists -> (values [B, width], mask [B, width]: 1 on real entries), padded right or left."""
@@ -787,6 +836,12 @@ class Sampler:
         eos_ids = eos if isinstance(eos, list) else [eos]
         # Every id the checkpoint stops on (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>).
         self.stop_ids = {tokenizer.eos_token_id, *eos_ids} - {None}
+        turn_end = end_of_turn_id(tokenizer)  # the prompts' template closes a turn with it
+        if turn_end is not None and turn_end not in self.stop_ids:
+            self.stop_ids.add(turn_end)
+            print(f"note: sampling {name} also stops at {tokenizer.convert_ids_to_tokens(turn_end)},"
+                  " which ends a turn in the chat template but is not the checkpoint's EOS",
+                  file=sys.stderr)
         set_aside = {key: value for key, value in checkpoint.to_diff_dict().items()
                      if key in SAMPLING_FIELDS}
         if set_aside:
@@ -798,6 +853,11 @@ class Sampler:
         """options: vLLM's SamplingParams or HF generate's extra arguments (stopping_criteria)."""
         if self.backend == "vllm":
             from vllm import SamplingParams
+            limit = self.engine.llm_engine.model_config.max_model_len
+            for prompt in prompts:  # vLLM would raise a traceback on it
+                if len(prompt) >= limit:
+                    die(f"a prompt of {len(prompt)} tokens leaves no room for a completion under "
+                        f"--max-model-len {limit}")
             params = SamplingParams(n=n, temperature=temperature, max_tokens=max_new_tokens,
                                     top_p=top_p, top_k=top_k, stop_token_ids=sorted(self.stop_ids),
                                     logprobs=0, **options)  # logprobs=0: the sampled token's
@@ -831,10 +891,13 @@ class Sampler:
             samples.append({"ids": completion, "truncated": truncated, "sampler_logprobs": None})
         return samples
 
-def sync_weights(engine, model):
+def sync_weights(engine, model, dtype):
     """The policy's weights into vLLM, in place, by its public API: every worker's reload_weights
-    (without weights_iterator, it rereads the disk). state_dict: it has the tied lm_head.weight."""
-    weights = iter(model.state_dict().items())
+    (without weights_iterator, it rereads the disk). state_dict: it has the tied lm_head.weight.
+    Each tensor is cast to the engine's dtype on the way, one at a time (vLLM would warn once for
+    every fp32 tensor it had to cast itself)."""
+    weights = ((name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+               for name, tensor in model.state_dict().items())
     engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     engine.reset_prefix_cache()  # cached prompt states came from the old weights
 
@@ -878,7 +941,8 @@ def evaluate(sampler, tokenizer, problems, args, prompt_chunk=8):
         prompts = [encode_prompt(tokenizer, p["question"], args.system_prompt,
                                  args.chat_template_kwargs) for p in chunk]
         samples = sampler.generate(prompts, n, args.max_new_tokens, args.temperature)
-        texts = tokenizer.batch_decode([s["ids"] for s in samples], skip_special_tokens=True)
+        texts = [completion_text(tokenizer, prompts[j // n], sample["ids"])
+                 for j, sample in enumerate(samples)]
         correct += [sum(verifier.reward(t, p["answer"]) for t in texts[i * n: (i + 1) * n])
                     for i, p in enumerate(chunk)]
     return {"pass@1": float(np.mean([c / n for c in correct])), "k": args.eval_k,
@@ -945,6 +1009,10 @@ class Run:
         self.ref_model = (load_model(args.model, self.compute_dtype, self.device)[0].eval()
                           .requires_grad_(False) if args.beta > 0 else None)  # frozen: KL only
         check_chat_template(self.tokenizer, args)
+        if engine:  # a prompt that does not fit is an error now, not a traceback later
+            limit = engine.llm_engine.model_config.max_model_len
+            check_prompt_lengths(self.tokenizer, self.train_problems, args, limit, "--dataset")
+            check_prompt_lengths(self.tokenizer, self.eval_problems, args, limit, "held-out")
         self.sampler = Sampler(args.backend, self.model, self.tokenizer, engine, self.compute_dtype)
         # fused on a GPU: one kernel, no temporary the size of a moment (foreach's, on the CPU)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.0,
@@ -956,7 +1024,7 @@ class Run:
             self.model.load_state_dict(saved["model"])
             self.optimizer.load_state_dict(saved["optimizer"])
             if engine:
-                sync_weights(engine, self.model)
+                sync_weights(engine, self.model, self.compute_dtype)
             self.state = saved["state"]
             rng_states(saved["rng"])
         else:
@@ -989,7 +1057,7 @@ class Run:
         if sleep:
             engine.wake_up(tags=["weights"])  # room for the weights, not yet for the cache
         if engine:
-            sync_weights(engine, self.model)
+            sync_weights(engine, self.model, self.compute_dtype)
         if sleep:
             engine.wake_up(tags=["kv_cache"])
         return stats

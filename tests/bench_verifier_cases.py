@@ -2,15 +2,14 @@
 
     python tests/bench_verifier_cases.py [--verifier PATH] [--no-symbolic] [--failing]
 
-Reads $RLVR_SHARED/verifier-cases/public_cases.jsonl (default: <repo root>/../shared) and
-prints, per tier, the cases where the verifier agrees with the label (a case also fails when
-it raises or takes 2 s or more), then the pairs labelled False that it calls True in either
+Reads tests/verifier_cases/public_cases.jsonl (its README says where the cases come from) and
+prints, per tier, the cases where the verifier agrees with the label (a case also fails when it
+raises or takes 2 s or more), then the pairs labelled False that it calls True in either
 argument order. --verifier loads another verifier.py (e.g. an older checkout's) for a
 before/after table; --no-symbolic sets SYMBOLIC = False; --failing lists the failing ids."""
 import argparse
 import importlib.util
 import json
-import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -29,8 +28,7 @@ def main():
     spec.loader.exec_module(verifier)
     if args.no_symbolic:
         verifier.SYMBOLIC = False
-    shared = Path(os.environ.get("RLVR_SHARED") or ROOT.parent / "shared")
-    path = shared / "verifier-cases" / "public_cases.jsonl"
+    path = ROOT / "tests" / "verifier_cases" / "public_cases.jsonl"
     results, false_positives = defaultdict(list), []
     for line in path.read_text(encoding="utf-8").splitlines():
         if not line.strip():

@@ -43,25 +43,28 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_model(folder, seed=0):
+def build_tiny_model(folder, seed=0, eos="<|im_end|>"):
     """A 2-layer Llama (head_dim 64, as vLLM's CPU attention needs) with a character-level
-    tokenizer and a chat template; eos = pad = <|im_end|> like SmolLM2. Saved to `folder`."""
+    tokenizer and a ChatML chat template; eos = pad = <|im_end|> like SmolLM2. Saved to `folder`.
+    eos="<|endoftext|>" builds a base-style checkpoint, as Qwen's base models ship: its EOS is not
+    the token that ends a turn in its chat template (one more token in the vocabulary)."""
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"] + ([eos] if eos != "<|im_end|>" else [])
     vocab = {tok: i for i, tok in enumerate(specials + list(string.printable))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token a character
     backend.decoder = decoders.Fuse()  # join characters without spaces
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<|im_start|>",
-                                        eos_token="<|im_end|>", pad_token="<|im_end|>")
+                                        eos_token=eos, pad_token=eos,
+                                        additional_special_tokens=["<|im_end|>"])
     tokenizer.chat_template = CHAT_TEMPLATE
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+                         bos_token_id=1, eos_token_id=vocab[eos], pad_token_id=vocab[eos], tie_word_embeddings=True)
     model = LlamaForCausalLM(config)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

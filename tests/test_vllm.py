@@ -76,7 +76,7 @@ def test_vllm_generation_and_weight_sync(which, tiny_model_dir):
     # Train the policy a little; without a sync the engine is stale, with one it matches again.
     a_few_optimizer_steps(policy, tokenizer)
     stale = engine_vs_policy_gap(sampler, policy, tokenizer)
-    grpo.sync_weights(engine, policy)
+    grpo.sync_weights(engine, policy, torch.float32)
     synced = engine_vs_policy_gap(sampler, policy, tokenizer)
     print(f"{which}: |dlogp| stale {stale:.3g}, synced {synced:.3g}")
     assert stale > 0.05, f"the optimizer steps did not move the policy enough to test the sync ({stale})"
@@ -111,7 +111,7 @@ def test_bf16_engine_takes_fp32_master_weights(tiny_model_dir):
     at_start = engine_vs_policy_gap(sampler, policy, tokenizer)
     a_few_optimizer_steps(policy, tokenizer)
     stale = engine_vs_policy_gap(sampler, policy, tokenizer)
-    grpo.sync_weights(engine, policy)
+    grpo.sync_weights(engine, policy, torch.bfloat16)
     synced = engine_vs_policy_gap(sampler, policy, tokenizer)
     synced_bf16 = engine_vs_policy_gap(sampler, policy, tokenizer, compute_dtype=torch.bfloat16)
     print(f"bf16 engine vs fp32 policy |dlogp|: at start {at_start:.3g}, stale {stale:.3g}, synced {synced:.3g}; "
@@ -146,5 +146,76 @@ def test_vllm_ends_a_sample_at_every_stop_id_of_the_checkpoint(tiny_model_dir, t
         assert stops == ([] if s["truncated"] else [s["ids"][-1]])  # the first stop id, kept
         assert len(s["sampler_logprobs"]) == len(s["ids"])
     assert any(s["ids"][-1] == frequent and not s["truncated"] for s in samples)
+    del engine, sampler
+    gc.collect()
+
+
+def test_the_weight_sync_hands_vllm_its_own_dtype(tiny_model_dir):
+    """A bf16 engine fed fp32 master weights: vLLM logs one warning per tensor it must cast itself
+    (about 290 per sync for Qwen2.5-0.5B); cast on our side, a sync logs none."""
+    import logging
+
+    class Count(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.casts = 0
+
+        def emit(self, record):
+            self.casts += "Attempted to load weight" in record.getMessage()
+    engine = make_engine(tiny_model_dir, torch.bfloat16)
+    policy, _ = grpo.load_model(tiny_model_dir, torch.float32, "cpu")
+    counter = Count()
+    logging.getLogger("vllm").addHandler(counter)
+    try:
+        grpo.sync_weights(engine, policy, torch.bfloat16)
+        quiet = counter.casts
+        engine.collective_rpc("reload_weights",  # what the sync did before: fp32 tensors
+                              kwargs={"weights_iterator": iter(policy.state_dict().items())})
+    finally:
+        logging.getLogger("vllm").removeHandler(counter)
+    assert quiet == 0 and counter.casts > 0, (quiet, counter.casts)
+    assert next(policy.parameters()).dtype == torch.float32  # the master weights are untouched
+    del engine
+    gc.collect()
+
+
+def test_prompts_that_do_not_fit_max_model_len(tiny_model_dir, tmp_path, capsys):
+    """A prompt with no room for one new token is a one-line error before any sampling; prompts
+    with less room than --max-new-tokens are counted once, at start."""
+    questions = ["What is 1 - 1?", "What is 2 - 2? " + "Think it over. " * 4, "x" * 100]
+
+    def run(name, kept):
+        data = tmp_path / f"{name}.jsonl"
+        data.write_text("".join(json.dumps({"question": q, "answer": "0"}) + "\n" for q in kept))
+        return grpo.main(["--model", tiny_model_dir, "--backend", "vllm", "--dataset", str(data),
+                          "--max-model-len", "96", "--max-new-tokens", "32", "--steps", "1",
+                          "--prompts-per-step", "2", "--group-size", "2", "--micro-batch", "2",
+                          "--eval-problems", "2", "--eval-samples", "2", "--eval-k", "1",
+                          "--output-dir", str(tmp_path / name)])
+    with pytest.raises(SystemExit) as err:
+        run("too_long", questions)
+    text = str(err.value)
+    assert text.startswith("error: --dataset problem 3 of 3 has a prompt of ") and "\n" not in text
+    assert "--max-model-len 96" in text
+    assert not (tmp_path / "too_long" / "metrics.jsonl").exists()  # stopped before the run began
+    capsys.readouterr()
+    run("short_room", questions[:2])
+    assert "warning: 1 of 2 --dataset prompts leave less than --max-new-tokens 32" in capsys.readouterr().err
+
+
+def test_vllm_stops_a_base_checkpoint_at_the_end_of_its_turn(tmp_path):
+    from conftest import build_tiny_model
+    base = build_tiny_model(tmp_path / "base", eos="<|endoftext|>")
+    engine = make_engine(base)
+    policy, tokenizer = grpo.load_model(base, torch.float32, "cpu")
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    sampler = grpo.Sampler("vllm", policy, tokenizer, engine)
+    assert im_end in sampler.stop_ids
+    samples = sampler.generate([grpo.encode_prompt(tokenizer, q) for q in PROMPTS], 16, 32, 1.0)
+    assert any(s["ids"][-1] == im_end and not s["truncated"] for s in samples)
+    assert all(im_end not in s["ids"][:-1] for s in samples)
+    with pytest.raises(SystemExit) as err:  # a prompt made during a run (SamplingEvolve's, W2SPO's)
+        sampler.generate([[5] * 512], 1, 8, 1.0)
+    assert str(err.value).startswith("error: a prompt of 512 tokens leaves no room")
     del engine, sampler
     gc.collect()
