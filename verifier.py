@@ -1,29 +1,28 @@
 r"""Answer checking for RLVR (reinforcement learning with verifiable rewards).
 
-The rule: a completion's final answer is the content of its last \boxed{...} (or \fbox{...}),
-else the last number in its text (3e5 and 3 \times 10^{5} are one number). The reward is 1.0
-when that answer is equivalent to the gold answer, else 0.0. Thinking is not an answer: it is
-read after the last </think>, and a <think> block never closed (out of tokens) holds none.
+A trainer needs a reward it can trust: reward() is 1.0 when a completion's final answer is
+equivalent to the gold answer, else 0.0. The final answer is the content of the last \boxed{...}
+(or \fbox{...}), or else the last number in the text, where 3e5 and 3 \times 10^{5} are one
+number. Only the text after the last </think> is read, so thinking is never the answer, and a
+<think> block never closed (out of tokens) holds none. is_equiv() compares in two tiers:
+- The exact tier (_clean, _parse, _same) removes formatting (LaTeX spacing, \text{}, units, %, $,
+  degrees, thousands separators), compares numbers as exact rationals (0.5 == 1/2, but 0.333 !=
+  1/3), reads "x = 5" as 5, and compares tuples, intervals, sets and lists by element.
+- The symbolic tier (SYMBOLIC = True, _symbolic_same) reads what the exact tier found different
+  into an exact rational function of free symbols and square roots, so \sqrt{8} == 2\sqrt{2},
+  (x+1)^2 == x^2+2x+1, \sec^2(y) == \tan^2(y)+1 and y = 2x+1 == 2x-y+1 = 0. A decimal of 12 or
+  more digits may stand for an irrational value. Arithmetic is not an answer (2+3 != 5, and in
+  one unknown 2x = 10 != x = 5). As equivalence does not check simplification, set SYMBOLIC =
+  False where a task asks to simplify or factor (\sqrt{8} copied from the question would pass).
 
-Exact tier: numbers are exact rationals (0.5 == 1/2, 3e5 == 300000, but 0.333 != 1/3), once
-formatting is removed (LaTeX spacing, \text{}, units also with an exponent as in 5\text{ m}^2,
-%, $, degrees, \left/\right, thousands separators); "x = 5" is the answer 5; tuples, intervals,
-sets and lists are compared element by element.
+Worked example: reward(r"<think>It is 7.</think> So \boxed{x = \frac{6}{4}\text{ cm}}, about 2
+cm.", "1.5"). The 7 inside the thinking is never read, and the box wins over the later 2. Cleaning
+leaves "x = \frac{6}{4} cm", parsing reads the equation x = 3/2 (the unit word goes), and x = 3/2
+is compared with the gold by its right-hand side: 3/2 equals 1.5, so the reward is 1.0.
 
-Symbolic tier (SYMBOLIC = True): anything else is read into an exact rational function over the
-rationals and square roots, each word (xy is one symbol, x y two), Greek letter, f(x), \sin(x)
-or nested root a free symbol: \sqrt{8} == 2\sqrt{2}, \frac{1}{\sqrt{2}} == \frac{\sqrt{2}}{2},
-(x+1)^2 == x^2+2x+1, \sec^2(y) == \tan^2(y)+1, y = 2x+1 == 2x-y+1 = 0 (a relation may be scaled
-by a constant, a positive one for an inequality). A decimal of 12 or more significant digits
-matches a value without a finite decimal expansion to within one unit in its last place
-(0.0833333333333333 == 1/12). Arithmetic is not an answer: 2+3 != 5, \sqrt{4} != 2 (a rational
-must be written as a number), and in one unknown 2x = 10 != x = 5 (5 = x and x - 5 = 0 are
-x = 5). Equal is not simplified: where a task asks to simplify or factor, \sqrt{8} or x^2+2x+1
-copied from the question is rewarded, so set SYMBOLIC = False there.
-
-Conservative: an unusual but correct answer may be marked wrong, a wrong answer never right, and
-no input makes a check slow or raise. Also here: feedback(), pass_at_k() and load_problems() (a
-built-in arithmetic task, or JSONL files). Only the standard library is used.
+The checks are conservative: an unusual but correct answer may be marked wrong, a wrong answer
+never right, and no input makes a check slow or raise. Use verifier.reward(completion, gold); the
+module also holds feedback(), pass_at_k() and load_problems(), on the standard library alone.
 """
 import functools
 import itertools
@@ -36,15 +35,15 @@ import re
 import zlib
 from fractions import Fraction
 
-# The built-in task "arith": "What is a + b?" (read at call time, so callers may change them).
+# The built-in task "arith" asks "What is a + b?"; callers may change these (read at call time).
 ARITH_MIN = 1
 ARITH_MAX = 20
 ARITH_OPS = ("+",)
 ARITH_TEMPLATE = "What is {a} {op} {b}? Answer with just the number."
 ARITH_TEST_PERCENT = 20  # share of operand pairs held out for the test split
-# "arith-steps": the same problems, worded so that a completion has a middle (w2spo.py branches)
+# "arith-steps" words the same problems so that a completion has a middle, where w2spo.py branches.
 ARITH_STEPS_TEMPLATE = "What is {a} {op} {b}? Add them step by step, then give the final number."
-SYMBOLIC = True  # False: the exact tier only (numbers, structure, strings)
+SYMBOLIC = True  # False keeps the exact tier only (numbers, structure, strings)
 
 # ----------------------------------------------------------------------------- public API
 def reward(completion, gold) -> float:
@@ -66,7 +65,7 @@ def feedback(completion, gold) -> str:
         return "The final answer could not be checked."
 
 def extract_answer(text) -> str | None:
-    r"""The final answer: the last complete \boxed{}, else the last number, else None.
+    r"""The final answer, the last complete \boxed{}'s content, else the last number, else None.
 
     >>> extract_answer(r"\boxed{1}, no: \boxed{\frac{1}{2}}"), extract_answer("so 3e5 m.")
     ('\\frac{1}{2}', '3e5')
@@ -81,13 +80,13 @@ def extract_answer(text) -> str | None:
         return None
 
 def is_equiv(pred, gold) -> bool:
-    """Whether two final answers are the same (the tiers, with examples: the module docstring)."""
+    """Whether two final answers are the same, by the tiers of the module docstring."""
     try:
         pred, gold = ("" if x is None else str(x) for x in (pred, gold))
         if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
             return bool(a := "".join(pred.split())) and a == "".join(gold.split())
         a, b = _clean(pred), _clean(gold)  # an empty answer never matches, not even an empty gold
-        # the exact tier (_same), which asks the symbolic tier (_symbolic_same) about its leaves
+        # The exact tier (_same) asks the symbolic tier (_symbolic_same) about leaves that differ.
         return bool(a and b) and (_squash(a) == _squash(b) or _same(_parse(a), _parse(b)))
     except Exception:  # never crash training; fall back to an exact comparison
         same = isinstance(pred, str) and isinstance(gold, str) and pred.strip() == gold.strip()
@@ -107,19 +106,19 @@ def pass_at_k(n: int, c: int, k: int) -> float:
         raise ValueError(f"pass_at_k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
     if n - c < k:
         return 1.0  # every k-subset contains a correct sample
-    # 1 - C(n-c, k) / C(n, k) = 1 - prod over i = n-c+1 .. n of (1 - k / i): no overflow
+    # 1 - C(n-c, k) / C(n, k) = 1 - prod over i = n-c+1 .. n of (1 - k / i), which cannot overflow
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 def load_problems(spec, split="train", n=None, seed=0, *,
                   question_field="question", answer_field="answer") -> list[dict]:
     """Problems as [{"question": str, "answer": str}].
 
-    spec "arith" (or "arith:MIN-MAX"): the built-in task; "arith-steps" (or "arith-steps:MIN-MAX")
-    the same, worded with ARITH_STEPS_TEMPLATE. Operand pairs go to train or test by a fixed hash,
-    so the splits are disjoint for every seed; `seed` only shuffles. n=None returns the whole
-    split; a larger n repeats the train split, and is capped for test. spec a JSONL file: one
-    {"question": ..., "answer": ...} object per line (field names configurable); GSM8K answers
-    "... #### 1,234" become "1234"; n takes the first n.
+    spec "arith" (or "arith:MIN-MAX") is the built-in task, "arith-steps" (or "arith-steps:MIN-MAX")
+    the same in ARITH_STEPS_TEMPLATE's words. A fixed hash sends each operand pair to train or test,
+    so the splits are disjoint for every seed, which only shuffles. n=None returns the whole split;
+    a larger n repeats the train split and is capped for test. Any other spec is a JSONL file of
+    {"question": ..., "answer": ...} objects, one per line (the field names are arguments); GSM8K's
+    "... #### 1,234" becomes "1234", and n takes the first n.
 
     >>> load_problems("arith", n=1)
     [{'question': 'What is 9 + 20? Answer with just the number.', 'answer': '29'}]
@@ -149,7 +148,7 @@ def _arith_problems(low, high, split, n, seed, template):
         raise ValueError(f"unsupported ARITH_OPS {unknown}; supported: {sorted(_ARITH_FNS)}")
     problems = []
     for op, a, b in itertools.product(ARITH_OPS, range(low, high + 1), range(low, high + 1)):
-        # a+b and b+a share a key: a test question is never a train one reordered
+        # a+b and b+a share a key, so a test question is never a train question reordered
         key = (min(a, b), max(a, b)) if op in "+*" else (a, b)
         test = zlib.crc32(f"{key[0]},{op},{key[1]}".encode()) % 100 < ARITH_TEST_PERCENT
         if test == (split == "test"):
@@ -162,7 +161,7 @@ def _arith_problems(low, high, split, n, seed, template):
     if n is None or n <= len(problems) or split == "test":
         return problems[:n]
     out = list(problems)
-    while len(out) < n:  # train: repeat the split, reshuffled each pass
+    while len(out) < n:  # the train split repeats, reshuffled on each pass
         rng.shuffle(problems)
         out.extend(dict(p) for p in problems)
     return out[:n]
@@ -189,7 +188,7 @@ def _jsonl_problems(path, n, question_field, answer_field):
                 raise ValueError(f"{where}: field {question_field!r} must be a non-empty string")
             if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
                 raise ValueError(f"{where}: field {answer_field!r} must be a string or number")
-            if "####" in (answer := str(answer)):  # GSM8K: the solution ends "#### 1,234"
+            if "####" in (answer := str(answer)):  # a GSM8K solution ends "#### 1,234"
                 answer = answer.rsplit("####", 1)[1].replace(",", "")
             if not answer.strip():
                 raise ValueError(f"{where}: field {answer_field!r} is empty")
@@ -222,7 +221,7 @@ def _after_thinking(text: str) -> str:
 def _boxed_content(text: str) -> str | None:
     """Content of the last complete \\boxed{...}/\\fbox{...}, or of "\\boxed 5"."""
     ends = [m.end() for m in _BOX_RE.finditer(text)]
-    # one pass pairs every brace: no recursion, and earlier boxes (the last unclosed) stay cheap
+    # One pass pairs every brace, without recursion, so falling back to an earlier box is cheap.
     closing, stack = {}, []
     for m in _BRACE_RE.finditer(text, ends[0] if ends else len(text)):
         if m[0] == "{":
@@ -234,7 +233,7 @@ def _boxed_content(text: str) -> str | None:
         if i in closing:
             return text[i + 1 : closing[i]].strip()
         token = _TOKEN_RE.match(text, i) if i > end and text[i : i + 1] != "{" else None
-        if token and token[0].rstrip(".,;:"):  # "\boxed 5": one token after whitespace
+        if token and token[0].rstrip(".,;:"):  # "\boxed 5" boxes the one token after the space
             return token[0].rstrip(".,;:")
     return None
 
@@ -248,8 +247,8 @@ _UNICODE = str.maketrans({"−": "-", "∞": "\\infty ", "°": "", "≤": "\\le 
                           "≠": "\\ne ", "·": "\\cdot ", "×": "\\times ", "π": "\\pi ",
                           "±": "\\pm ", "\u00a0": " "})
 _SPACING_RE = re.compile(r"\\\\|\\!\s*|\\[,:; ]|\\q?quad(?![A-Za-z])|~|\{,\}")
-# "5\text{ m}^2", "5 \mathrm{cm}^{3}": a unit with an exponent after a number (not
-# \mathrm{i}^2 or e^2, which are numbers); unit words alone are dropped by _strip_units.
+# A unit with an exponent after a number ("5\text{ m}^2", "5 \mathrm{cm}^{3}") is dropped here,
+# but not \mathrm{i}^2 or e^2, which are numbers; _strip_units drops a bare unit word later.
 _UNIT_POWER_RE = re.compile(
     r"(?<=[\d}])\s*\\(?:text|textrm|mathrm|mbox)\s*\{\s*(?![ie]\s*\})[A-Za-z]{1,5}\s*\}"
     r"\s*\^\s*(?:\{\s*-?\d\s*\}|-?\d)[\s.]*$")
@@ -261,7 +260,7 @@ _CLEANUPS = [(re.compile(p), r) for p, r in [  # applied in order by _clean()
     (r"\\(?:left|right|[bB]ig[lr]?|displaystyle)(?![A-Za-z])\.?", ""),
     (r"\\\$", ""), (r"\$|\\[()\[\]]", " "),  # currency, then math delimiters
     (r"\^\s*\{?\s*\\circ\s*\}?|\\circ(?![A-Za-z])|\\degree(?![A-Za-z])", ""),
-    (r"\\?%", ""),  # "28\%" is 28: percentages are stored as the number
+    (r"\\?%", ""),  # a percentage is stored as its number, so "28\%" is 28
     (r"\\[dtc]frac(?![A-Za-z])", r"\\frac"),
     (r"\\frac\s*([^\s{}\\])\s*([^\s{}\\])", r"\\frac{\1}{\2}"),  # \frac12
     (r"\\frac\s*([^\s{}\\])\s*\{", r"\\frac{\1}{"),  # \frac3{4}
@@ -272,7 +271,7 @@ _CLEANUPS = [(re.compile(p), r) for p, r in [  # applied in order by _clean()
     (r"\\begin\{[bB]?matrix\}|[(\[]\s*\\begin\{array\}\{[^{}]*\}", r"\\begin{pmatrix}"),
     (r"\\end\{[bB]?matrix\}|\\end\{array\}\s*[)\]]", r"\\end{pmatrix}"),
     (r"(\d)\s*(?:\*|\\cdot)\s*(?=[A-Za-z])", r"\1"),  # 2*x -> 2x
-    (r" ?,? ?\b(?:and|or)\b ?", ","),  # "6 and 8", "(1,2) or (2,1)" are lists
+    (r" ?,? ?\b(?:and|or)\b ?", ","),  # "6 and 8" and "(1,2) or (2,1)" are lists
     (r";", ","),
 ]]
 
@@ -314,13 +313,13 @@ def _plain_number(t: str) -> Fraction | None:
         return None
     whole, frac = re.sub("[ ,]", "", m[2]), m[3] or ""
     if not (whole or frac) or len(whole) + len(frac) > MAX_DIGITS:
-        return None  # huge numbers stay strings: int() of them is slow or refused
+        return None  # a huge number stays a string, as int() of it is slow or refused
     value = Fraction(int(whole or "0") * 10 ** len(frac) + int(frac or "0"), 10 ** len(frac))
     return -value if m[1] == "-" else value
 
 def _strip_units(t: str, exponent: bool = True) -> str:
-    """'5 apples' -> '5': drop trailing words (2+ letters, after a space); the last may carry
-    an exponent: '5 cm^2' -> '5', but '5 x^2' stays."""
+    """Drop trailing words of 2+ letters after a space ('5 apples' -> '5'). The last may carry an
+    exponent ('5 cm^2' -> '5'), but a one-letter word is a variable ('5 x^2' stays)."""
     bare = _UNIT_EXP_RE.sub("", t) if exponent else t
     if bare != t:  # the exponent goes only with the unit word it follows
         stripped = _strip_units(bare, exponent=False)
@@ -351,7 +350,7 @@ def _number(s: str) -> Fraction | None:
         whole, num, den = (_plain_number(g) for g in m.groups())
         ok = whole is not None and num is not None and den and num < den
         return sign * (whole + num / den) if ok else None
-    if m := _SCI_RE.fullmatch(t):  # scientific notation: an exact number too
+    if m := _SCI_RE.fullmatch(t):  # scientific notation is an exact number too (3e5 == 300000)
         mantissa, exp = _plain_number(m[1] or m[3] or "1"), int(m[2] or m[4] or m[5])
         if mantissa is not None and abs(exp) <= MAX_DIGITS:  # 1e1000000 stays a string
             return sign * mantissa * Fraction(10) ** exp
@@ -378,7 +377,7 @@ def _split_top(s: str, sep: str) -> list[str]:
     """Split at `sep` outside brackets; an unbalanced string is not split."""
     (top, balanced), parts, start = _outside(s), [], 0
     for i in top if balanced else ():
-        word = sep[-1].isalpha() and s[i + len(sep) : i + len(sep) + 1].isalpha()  # \cupola
+        word = sep[-1].isalpha() and s[i + len(sep) : i + len(sep) + 1].isalpha()  # "\cupola"
         if i >= start and s.startswith(sep, i) and not word:
             parts.append(s[start:i])
             start = i + len(sep)
@@ -390,8 +389,8 @@ def _enclosed(s: str):
     closing = "\\}" if opening == "\\{" else s[-1:]
     top, balanced = _outside(s)
     ok = (balanced and opening in ("(", "[", "{", "\\{") and closing[-1] in ")]}"
-          and (opening[-1] == "{") == (closing[-1] == "}")  # and not "(1,2) \cup (3,4)":
-          and top == [*range(len(opening) - 1), len(s) - 1])
+          and (opening[-1] == "{") == (closing[-1] == "}")
+          and top == [*range(len(opening) - 1), len(s) - 1])  # one pair, not "(1,2) \cup (3,4)"
     return (opening, s[len(opening) : -len(closing)], closing) if ok else None
 
 def _is_name(lhs: str) -> bool:
@@ -404,7 +403,7 @@ def _relation(s: str):
     found = []
     for i in _outside(s)[0]:
         if s[i] in "<>":
-            return None  # an inequality: keep it whole
+            return None  # an inequality stays whole
         if s[i] == "=" and s[i - 1 : i] not in ("!", "=") and s[i + 1 : i + 2] != "=":
             found.append((i, "="))
         found += [(i, rel) for rel in ("\\in", "\\approx")
@@ -442,9 +441,9 @@ def _parse(s: str, depth: int = 0):
         items = _split_top(body, ",")
         if opening == "\\{" or (opening == "{" and len(items) > 1):
             return ("list", [parse(p) for p in items])  # a set
-        if len(items) > 1:  # tuple or interval: order and brackets matter
+        if len(items) > 1:  # a tuple or an interval, where order and brackets matter
             return ("seq", opening + closing, [parse(p) for p in items])
-        if opening + closing in ("()", "{}"):  # redundant grouping: "(C)" is "C"
+        if opening + closing in ("()", "{}"):  # a redundant grouping, so "(C)" is "C"
             return parse(body)
     t = _squash(s)
     m = t.count("<") == 2 and re.fullmatch(r"([^<]+)<(=?)([^<=][^<]*)<(=?)([^<=][^<]*)", t)
@@ -459,13 +458,13 @@ def _parse(s: str, depth: int = 0):
         t = rhs + "<" + rels[0][1:] + lhs
     return ("str", t, s)
 
-def _same(a, b) -> bool:
+def _same(a, b) -> bool:  # two trees of _parse, compared node by node
     if a is None or b is None:
         return False
     if "eq" in (a[0], b[0]):  # "x = 5" is 5, and two names must agree
         if a[0] == b[0]:
             same = a[1] == b[1] and _same(a[2], b[2])
-        else:  # x = 5 against 5
+        else:  # x = 5 against 5 compares the right-hand side
             same = _same(a[2], b) if a[0] == "eq" else _same(a, b[2])
         return same or _symbolic_same(a, b)  # y = 2x is the line 2x - y = 0
     if a[0] != b[0]:
@@ -477,20 +476,21 @@ def _same(a, b) -> bool:
     if a[0] == "matrix":
         return [len(r) for r in a[1]] == [len(r) for r in b[1]] and all(
             all(map(_same, ra, rb)) for ra, rb in zip(a[1], b[1]))
-    # "list" (sets, bare lists, \pm) and "union": order and repeats don't matter
+    # In a "list" (a set, a bare list, \pm) or a "union", order and repeats do not matter.
     xs, ys = a[1], b[1]
     return len(xs) * len(ys) <= MAX_PAIRS and all(any(_same(x, y) for y in ys) for x in xs) and all(
         any(_same(x, y) for x in xs) for y in ys)
 
 # -------------------------------------------------------------------------- symbolic tier
 # An answer is read into an exact rational function (numerator, denominator). A polynomial is
-# {(monomial, radicand): coefficient}, the terms coefficient * sqrt(radicand) * monomial: a
-# Fraction coefficient, a square-free radicand, a monomial a sorted tuple of (atom, exponent).
-# Square roots of distinct square-free integers are linearly independent over the rationals, so
-# the form is canonical: \sqrt{8}, 2\sqrt{2} and \frac{4}{\sqrt{2}} are all {((), 2): 2}. Atoms
-# are free symbols, so an identity found holds whatever they stand for: the tier can miss one
-# (i^2 == -1, \sin(2x)), not invent one; _mul adds sin^2 + cos^2 = 1. What it cannot read, or a
-# guard below refuses, raises ValueError: not shown equal.
+# {(monomial, radicand): coefficient}, summing coefficient * sqrt(radicand) * monomial, with a
+# Fraction coefficient, a square-free radicand, and a monomial that is a sorted tuple of (atom,
+# exponent). An atom is a free symbol: a word (xy is one symbol, x y two), a Greek letter, f(x),
+# \sin(x) or a nested root. Square roots of distinct square-free integers are linearly independent
+# over the rationals, so the form is canonical: \sqrt{8}, 2\sqrt{2} and \frac{4}{\sqrt{2}} are all
+# {((), 2): 2}. An identity between free symbols holds whatever they stand for, so the tier can
+# miss one (i^2 == -1, \sin(2x)) but never invent one; _mul adds sin^2 + cos^2 = 1. What it cannot
+# read, or what a guard below refuses, raises ValueError, and the answers are not shown equal.
 
 MAX_SYMBOLIC_CHARS = 300  # longer answers are not read symbolically
 MAX_TERMS = 100  # terms in one polynomial (so (a+b+c)^32 is refused)
@@ -498,7 +498,7 @@ MAX_POWER = 32  # largest integer exponent that is expanded
 MAX_RADICAND = 10**12  # \sqrt{n} is simplified by trial division up to n^(1/3)
 MAX_BITS = 4_000  # size of a coefficient's numerator or denominator
 MAX_WORK = 100_000  # term products per answer, and per comparison
-APPROX_DIGITS = 12  # a decimal this precise may stand for an irrational value
+APPROX_DIGITS = 12  # a decimal this precise may stand for 1/12 or sqrt(2), not for 1/8
 
 _GREEK = {"\\" + w for w in "alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta "
           "iota kappa lambda mu nu xi pi rho sigma tau upsilon phi varphi chi psi omega Gamma "
@@ -509,7 +509,7 @@ _SYM_TOKEN_RE = re.compile(
     r"\s*(?:(\d+(?:\.\d*)?|\.\d+"  # number
     r"|\\(?:sum|prod)(?![A-Za-z])(?: ?[_^] ?(?:\{(?:[^{}]|\{[^{}]*\})*\}|\w))*"  # \sum_{k=1}^n
     r"|\\[A-Za-z]+"  # command
-    r"|[A-Za-z]+(?:_(?:\{[^{}]*\}|[A-Za-z0-9]))?"  # word, with a subscript: F_{n-1}
+    r"|[A-Za-z]+(?:_(?:\{[^{}]*\}|[A-Za-z0-9]))?"  # a word, with a subscript as in F_{n-1}
     r"|<=|>=|[-+*/^(){}\[\]=<>_])|(\S))")  # operator; else a character outside the tier
 _NUMERAL = re.compile(r"\.?\d")
 _FACTOR_START = re.compile(r"[A-Za-z0-9.({]|\\(?!cdot$|times$)")  # a token that starts a factor
@@ -530,23 +530,23 @@ def _poly(terms) -> dict:
 def _add(p: dict, q: dict, c=1) -> dict:  # p + c*q
     return _poly([*p.items(), *((key, c * v) for key, v in q.items())])
 
-def _monomial(m1, m2) -> tuple:
+def _monomial(m1, m2) -> tuple:  # the product m1 * m2, exponents added
     powers = dict(m1)
     for atom, e in m2:
         powers[atom] = powers.get(atom, 0) + e
     return tuple(sorted((atom, e) for atom, e in powers.items() if e))
 
-def _mul(p: dict, q: dict, work: list) -> dict:
+def _mul(p: dict, q: dict, work: list) -> dict:  # p * q
     work[0] += len(p) * len(q)  # term products, counted against MAX_WORK
     if work[0] > MAX_WORK:
         raise ValueError("too much work")
     todo, out = [], []
     for (m1, r1), c1 in p.items():
         for (m2, r2), c2 in q.items():
-            g = math.gcd(r1, r2)  # sqrt(r1)*sqrt(r2) = g*sqrt(r1*r2/g^2): square-free again
+            g = math.gcd(r1, r2)  # sqrt(r1)*sqrt(r2) = g*sqrt(r1*r2/g^2), square-free again
             todo.append(((_monomial(m1, m2), (r1 // g) * (r2 // g)), c1 * c2 * g))
-    # Pythagoras: sin(u)^2 becomes 1 - cos(u)^2 until every sine has exponent 0 or 1, the unique
-    # form modulo sin^2 + cos^2 = 1, so that sec^2 and tan^2 + 1 agree.
+    # By Pythagoras, sin(u)^2 becomes 1 - cos(u)^2 until every sine has exponent 0 or 1. That form
+    # is unique modulo sin^2 + cos^2 = 1, so sec^2 and tan^2 + 1 agree.
     while todo:
         (mono, rad), c = todo.pop()
         sine = next((a for a, e in mono if e > 1 and a.startswith("\\sin(")), None)
@@ -637,14 +637,14 @@ class _Reader:
             out = self.mul(self.mul(out, out), v) if bit == "1" else self.mul(out, out)
         return out
 
-    def sum(self):
+    def sum(self):  # sum = product (("+" | "-") product)*
         value = self.product()
         while self.peek() in ("+", "-"):
             sign = 1 if self.take() == "+" else -1
             value = self.add(value, self.product(), sign)
         return value
 
-    def product(self):
+    def product(self):  # product = factor (("*" | "/" | nothing) factor)*
         value = self.factor()
         while True:
             tok, explicit = self.peek(), self.peek() in ("*", "\\cdot", "\\times")
@@ -660,7 +660,7 @@ class _Reader:
                 self.i += explicit
                 value = self.mul(value, self.factor())
 
-    def factor(self):
+    def factor(self):  # factor = "-" factor | ["+"] primary ["^" exponent]
         if self.accept("-"):
             num, den = self.factor()
             return _add({}, num, -1), den
@@ -669,7 +669,7 @@ class _Reader:
         return self.power(value, self.exponent()) if self.accept("^") else value
 
     def exponent(self) -> int:
-        """k in x^k: x^{-1} and x^{2} are read as values, but x^23 is x^2 * 3 in LaTeX."""
+        """k in x^k. x^{-1} and x^{2} are values, but x^23 is refused: LaTeX reads x^2 * 3."""
         if self.peek() != "{" and not (len(self.peek()) == 1 and self.peek().isdigit()):
             raise ValueError("x^23 is ambiguous")
         k = _rat(self.primary())
@@ -686,14 +686,14 @@ class _Reader:
     def atom(self, name: str):
         return {(((name, 1),), 1): Fraction(1)}, _ONE
 
-    def primary(self):
+    def primary(self):  # (sum), {sum}, a number, a word, a Greek letter or a command
         tok = self.peek()
         if tok in ("(", "{"):
             return self.group(tok)
         self.i += 1
         if _NUMERAL.match(tok):  # at most MAX_SYMBOLIC_CHARS digits
             return _add({}, _ONE, Fraction(tok)), _ONE
-        if tok[:1].isalpha():  # a word; f(x) is a function, never f*x
+        if tok[:1].isalpha():  # a word, and f(x) a function, never f*x
             return self.atom(f"{tok}({_key(self.group('('))})" if self.peek() == "(" else tok)
         if tok in _GREEK:
             return self.atom(tok)
@@ -704,13 +704,13 @@ class _Reader:
                 raise ValueError("only square roots")
             radicand = self.group()
             q = _rat(radicand)
-            if q is None:  # \sqrt{x+1}: an atom named by its content
+            if q is None:  # \sqrt{x+1} is an atom named by its content
                 return self.atom(f"\\sqrt{{{_key(radicand)}}}")
             if q < 0:
                 raise ValueError("square root of a negative number")
             outside, inside = _square_free(q.numerator * q.denominator)  # sqrt(a/b) = sqrt(ab)/b
             return _add({}, {((), inside): Fraction(outside, q.denominator)}), _ONE
-        if tok.startswith(("\\sum", "\\prod")):  # named by its bounds; the body follows
+        if tok.startswith(("\\sum", "\\prod")):  # an atom named by its bounds and its body
             return self.atom(f"{tok.replace(' ', '')}({_key(self.product())})")
         if tok in _FUNCTIONS:
             k = self.exponent() if self.accept("^") else 1  # \sin^2(x)
@@ -725,7 +725,7 @@ class _Reader:
 
 @functools.lru_cache(maxsize=4096)
 def _symbolic(text: str):
-    """("expr", value), ("rel", op, D) for D < 0, D <= 0 or D = 0, or None: outside the tier."""
+    """("expr", value), or ("rel", op, D) for D < 0, D <= 0 or D = 0, or None outside the tier."""
     if not text or len(text) > MAX_SYMBOLIC_CHARS:
         return None
     try:
@@ -747,7 +747,7 @@ def _symbolic(text: str):
         return None
 
 def _approx_same(a, b) -> bool:
-    """The module docstring's long-decimal rule: leaf a a decimal, leaf b an exact value (1/12)."""
+    """A long decimal leaf a matches an exact leaf b (1/12) to within a unit in a's last place."""
     text = _squash(a[2]) if a[0] == "num" and a[2] else ""
     if (b[0] not in ("num", "str") or not b[2] or not _DECIMAL_RE.fullmatch(text)
             or _DECIMAL_RE.fullmatch(_squash(b[2]))
@@ -761,17 +761,17 @@ def _approx_same(a, b) -> bool:
         if not sym or sym[0] != "expr" or any(m for p in sym[1] for m, _ in p):
             return False  # outside the tier, a relation, or not a constant
         value = _rat(sym[1])
-    if value is None:  # irrational: to 60 decimals, far below the unit
+    if value is None:  # an irrational value, to 60 decimals, far below the unit
         num, den = (sum(c * Fraction(math.isqrt(r * 10**120), 10**60) for (_, r), c in p.items())
                     for p in sym[1])
         return abs(den) > Fraction(1, 10**20) and abs(a[1] - num / den) <= unit
-    d = value.denominator  # pow(10, bits, d) == 0: a finite decimal (1/8), to be written exactly
+    d = value.denominator  # a finite decimal (1/8) has pow(10, bits, d) == 0: it must be exact
     return abs(a[1] - value) <= unit and pow(10, d.bit_length(), d) != 0
 
 def _symbolic_same(a, b) -> bool:
-    """Leaves a and b (num, str or eq) that the exact rules found different."""
+    """Whether leaves a and b (num, str or eq), which the exact rules found different, are equal."""
     if (not SYMBOLIC or {a[0], b[0]} - {"num", "str", "eq"}
-            or a[0] == b[0] == "eq" and a[1] == b[1]):  # x = 5, x = \sqrt{25}: compared already
+            or a[0] == b[0] == "eq" and a[1] == b[1]):  # x = 5 and x = \sqrt{25}: compared already
         return False
     try:
         if _approx_same(a, b) or _approx_same(b, a):
@@ -785,9 +785,9 @@ def _symbolic_same(a, b) -> bool:
             (n1, d1), (n2, d2), work = x[1], y[1], [0]
             same = n1 == n2 if d1 == d2 else _mul(n1, d2, work) == _mul(n2, d1, work)
             # Refusal 1: a rational value written as arithmetic (2+3, \sqrt{4}, 2\cdot 3) is not
-            # the number 5, 2 or 6: "What is 2+3?" must not be answered "2+3".
+            # the number 5, 2 or 6, since "What is 2+3?" must not be answered "2+3".
             return same and _rat(x[1]) is None
-        # Relations: D1 = c*D2 with c > 0 (c != 0 for an equation: its sides may swap).
+        # Relations match when D1 = c*D2 with c > 0, or any c != 0 for an equation (sides may swap).
         (op1, p1), (op2, p2) = x[1:], y[1:]
         c = _rat((p1, p2)) if p1 and p2 else None
         atoms = {atom for mono, _ in p1 for atom, _ in mono}
@@ -796,5 +796,5 @@ def _symbolic_same(a, b) -> bool:
         # Refusal 2: in one unknown, 2x = 10 is the question and x = 5 its answer, so only a
         # rewriting that keeps the scale counts (5 = x, -x > -1 for x < 1).
         return (c == 1 or op1 == "=" and c == -1) if len(atoms) == 1 else (c > 0 or op1 == "=")
-    except ValueError:  # a guard tripped while comparing: not shown equal
+    except ValueError:  # a guard tripped while comparing, so they are not shown equal
         return False
