@@ -10,13 +10,13 @@ prompt shows.
 
 Notation (the paper's symbols, and this file's names for them):
     pi, x, P, r, R    the model, a problem, the number of problems, a round 0 .. R-1 (--rounds)
-    K, K_0            samples per problem in a round, in round 0 (--first-round-samples)
+    K, K_0            samples per problem in a round, and in round 0 (--first-round-samples)
     w, Omega_r        a trajectory (one solver sample), the K trajectories of round r
     delta^pos/^neg    one trajectory's propositions / pitfalls, which the distiller writes under
                       the JSON keys "verified_propositions" / "critical_pitfalls"
     Delta_r, E_r      the new items of round r, the bank after it (E_{-1} is empty); E_r^pos is
                       bank["propositions"] and E_r^neg is bank["pitfalls"]
-    c_r(x), tau       x's correct samples in round r; dedup's cosine threshold (--tau)
+    c_r(x), tau       the number of x's correct samples in round r; dedup's threshold (--tau)
 
 Every round r, for every problem x:
     u_r     = Prompt(x, E_{r-1})             the base prompt while the bank is empty, else the
@@ -27,12 +27,13 @@ Every round r, for every problem x:
 Each round reports pass@1_r, the mean over x of c_r(x) / K, beside a baseline that samples as
 often with the base prompt alone.
 
-Dedup drops an item that copies, is a strict substring of, or has a cosine above tau to an item
-kept before it, visiting this round's items first, longest first. Worked example, tau = 0.8:
-bank ["x > 0", "a+b=7"], this round [" x > 0 ", "a + b = 7 holds"], cos("a+b=7", "a + b = 7
-holds") = 0.9, every other pair below 0.8. " x > 0 " is "x > 0" once stripped, so the current
-copy replaces the earlier one. The visit order is "a + b = 7 holds", " x > 0 ", "a+b=7", and
-"a+b=7" is dropped, as its cosine to the kept "a + b = 7 holds" is 0.9 > tau.
+Dedup keeps one copy of each text, this round's if there is one. Visiting this round's items
+first, longest first, it drops an item that is a strict substring of an item kept before it, or
+whose cosine to one is above tau. Worked example, tau = 0.8: bank ["x > 0", "a+b=7"], this round
+[" x > 0 ", "a + b = 7 holds"], cos("a+b=7", "a + b = 7 holds") = 0.9, every other pair below
+0.8. " x > 0 " is "x > 0" once stripped, so the current copy replaces the earlier one. The visit
+order is "a + b = 7 holds", " x > 0 ", "a+b=7", and "a+b=7" is dropped, as its cosine to the
+kept "a + b = 7 holds" is 0.9 > tau.
 Result: [" x > 0 ", "a + b = 7 holds"].
 
 To carry RSE into another pipeline, copy solver_prompt (with fill, render_bank and the prompts),
@@ -380,7 +381,7 @@ def print_table(rows, baseline):
 
 def main(argv=None):
     args = parse_args(argv)
-    torch.manual_seed(args.seed)  # RSE's draws (HF generate, vLLM's sampler); the baseline: step 3
+    torch.manual_seed(args.seed)  # seeds RSE's draws (HF or vLLM); step 3 seeds the baseline's
     problems = load_search_problems(args)
     P = len(problems)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -408,9 +409,9 @@ def main(argv=None):
             for name in ("metrics", "trajectories", "distillations", "banks")}  # flushed per line
     def write(name, *entries):
         logs[name].writelines(json.dumps(entry, ensure_ascii=False) + "\n" for entry in entries)
-    banks = [{"propositions": [], "pitfalls": []} for _ in problems]  # E_{-1}: empty
-    solved, baseline_solved = [False] * P, [False] * P  # per problem, so far
-    rows, baseline = [], []  # per round: RSE's metrics, the baseline's
+    banks = [{"propositions": [], "pitfalls": []} for _ in problems]  # E_{-1} is empty
+    solved, baseline_solved = [False] * P, [False] * P  # whether solved in some round so far
+    rows, baseline = [], []  # one metrics row per round, for RSE and for the baseline
     search_start = time.time()
     no_bank = {"propositions": [], "pitfalls": []}  # the baseline's prompt is the base prompt
     baseline_prompts = [solver_prompt(tokenizer, p["question"], no_bank, args, limit)[0]
@@ -425,7 +426,7 @@ def main(argv=None):
         write("banks", *({"round": r, "problem": i, "question": p["question"], **banks[i],
                           "guided": i in guided, "system_prompt": solver_prompts[i][1]}
                          for i, p in enumerate(problems)))
-        # 2. Omega_r = {w ~ pi(. | u_r)}: K solver samples per problem, checked against the gold
+        # 2. Omega_r = {w ~ pi(. | u_r)}: K samples per problem, checked against the gold answer
         texts, n_correct, stats, trajectories = solve(
             sampler, tokenizer, [ids for ids, _ in solver_prompts], problems, K, args)
         write("trajectories", *({"method": "rse", "round": r, **trajectory}
@@ -438,12 +439,12 @@ def main(argv=None):
                "guided_pass@1": (float(np.mean([n_correct[i] for i in guided])) / K
                                  if guided else None),
                "guided_baseline_pass@1": None}
-        # 3. [our choice] The baseline: as many samples per problem with the base prompt, compared
-        # overall and on the problems with a bank (guided_pass@1). Round 0 is RSE's own. Its
-        # samples come from a generator seeded by (--seed, round), so RSE's rounds are the same
+        # 3. [our choice] The baseline draws as many samples per problem with the base prompt,
+        # compared overall and on the problems with a bank (guided_pass@1); round 0 is shared.
+        # Its draws come from a generator seeded by (--seed, round), so RSE's rounds are the same
         # with --no-baseline.
         if not args.no_baseline:
-            baseline_correct, baseline_stats = n_correct, stats  # round 0: RSE's own samples
+            baseline_correct, baseline_stats = n_correct, stats  # in round 0, RSE's own samples
             if r > 0:
                 with torch.random.fork_rng():  # RSE's generator state comes back after the block
                     torch.manual_seed(random.Random(f"baseline {args.seed} {r}").getrandbits(63))
@@ -460,7 +461,7 @@ def main(argv=None):
                     np.mean([baseline_correct[i] for i in guided])) / K
         # 4. (delta^pos, delta^neg) = Distill(x, w) for w in Omega_r, then E_r = Dedup(E_{r-1},
         # Delta_r, tau). The last round is not distilled, as no round reads its bank.
-        counts = Counter()  # replies, valid, read, written
+        counts = Counter()  # distill's counts, which stay empty in the last round
         if r < args.rounds - 1:
             picked = [(i, s) for i in range(P) for s in range(K)
                       if not args.distill_per_problem or s < args.distill_per_problem]
@@ -481,7 +482,7 @@ def main(argv=None):
     summary = {"rounds": rows, "baseline": baseline, "k": args.eval_k, "problems": P,
                "samples_per_round": args.samples_per_round, "seconds": time.time() - search_start,
                "embedder": embedder, "model": args.model, "backend": args.backend,
-               "args": vars(args)}  # args: the resolved flags (dtype, K_0, eval_k) too
+               "args": vars(args)}  # the resolved flags, dtype, K_0 and eval_k included
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     for log in logs.values():
@@ -493,7 +494,7 @@ def main(argv=None):
 # half valid, becomes experience. [our choice] On vLLM, structured output forces the rest of the
 # object after PREFILL (a JSON schema would force it from its first character, which PREFILL
 # wrote); on HF, close_cut_off closes a reply that the length limit cut off.
-# The reply's JSON keys of delta^pos and delta^neg -> this file's names for them.
+# REPLY_KEYS maps the reply's JSON keys for delta^pos and delta^neg to this file's names.
 REPLY_KEYS = {"verified_propositions": "propositions", "critical_pitfalls": "pitfalls"}
 JSON_STRING = r'"([^"\\\x00-\x1f]|\\["\\/bfnrt])*"'  # a JSON string, no control characters
 REST_OF_OBJECT = (JSON_STRING[1:] + r'(, ' + JSON_STRING + r')*\], "critical_pitfalls": \[('
@@ -537,9 +538,8 @@ def listed_items(value):
     return [item.strip() for item in value if isinstance(item, str) and re.search(r"[^\W_]", item)]
 
 def fix_backslashes(text):
-    """Double each backslash that does not begin a JSON escape (\\sqrt), or that begins a letter
-    escape followed by a letter, since that is LaTeX: JSON would read \\frac as a form feed and
-    "rac"."""
+    """Double each backslash that begins no JSON escape (\\sqrt), or a letter escape followed by a
+    letter, since that is LaTeX (JSON would read \\frac as a form feed and "rac")."""
     return re.sub(r'\\(\\|"|/|u[0-9a-fA-F]{4}|[bfnrt](?![A-Za-z]))|\\',
                   lambda m: m.group(0) if m.group(1) else "\\\\", text)
 
@@ -561,7 +561,7 @@ def close_cut_off(text):
             if m.group(1) is None or closers[-1:] != ["]"]:
                 continue  # a string cut off, or one in an object, is not a list item
         elif not closers or closers.pop() != token:
-            break  # the wrong bracket: the object went wrong here
+            break  # the object went wrong at this bracket
         elif not closers:
             return text[: m.end()]  # complete
         cut = (m.end(), "".join(reversed(closers)))  # a list item or a bracket ends here
