@@ -1,68 +1,62 @@
-"""Pass@k Training: GRPO (Group Relative Policy Optimization) whose advantage is Pass@k's.
+"""Pass@k Training: GRPO whose reward is Pass@k, the chance that one of k completions is right.
 
-For every prompt x, sample a group of G completions y_1..y_G from the current policy, score each
-with the verifier (reward r_i in {0, 1}) and push up the completions that beat their group:
+GRPO (grpo.py) rewards each completion for being right on its own (Pass@1). Chen et al. ("Pass@k
+Training for Adaptively Balancing Exploration and Exploitation of Large Reasoning Models", arXiv
+2508.10751) find that this makes a policy prefer conservative answers and settle in a local
+optimum, since a completion that tries something new and fails is punished like any other wrong
+one. Pass@k Training scores sets of k completions instead, and a set earns 1 if any member is
+right. A wrong member then costs little, because another member can still be right, so the policy
+can afford to explore; a right answer to a problem that is rarely solved is worth the most.
 
-    A_i = (r_i - mean(r)) / (std(r) + 1e-4)     --scale-rewards group (std divides by G, not G - 1)
-    A_i =  r_i - mean(r)                        --scale-rewards none (Dr. GRPO)
+Notation (the paper's names in brackets):
+    G        completions sampled per prompt, called the group (--group-size) [N_rollout]
+    c        how many of the G are right [N_pos]; the other G - c are wrong [N_neg]
+    k        the size of a subset of the group (--k); a subset scores 1 if any member is right
+    R_mean   the mean score of all C(G, k) subsets; sigma is their standard deviation
+    A_1      GRPO's advantage of completion i, (r_i - mean(r)) / (std(r) + 1e-4), r_i its reward
+    A_passk  this file's advantage: A_pos for a right completion, A_neg for a wrong one
 
-Every token of y_i gets A_i. A group whose rewards are all equal has A = 0 and teaches nothing
-(frac_zero_std in metrics.jsonl); --filter-groups drops such groups (DAPO's dynamic sampling,
-without refilling the batch). Sources: DeepSeekMath (GRPO); DAPO (Decoupled clip and Dynamic
-sAmpling Policy Optimization: clip-higher, eps_high > eps_low, and the token-level loss); Dr. GRPO
-(GRPO Done Right: no std, no length normalisation). To carry GRPO into another trainer, copy
-group_advantages, policy_loss and aggregate_loss; train_step shows how they are called.
+Steps, for each prompt (--passk-mode analytic, the default):
+  1. Sample G completions and score each 0 or 1 with the verifier, as grpo.py does.
+  2. Score every subset of k completions by its best member's reward, and normalise the scores
+     as GRPO normalises rewards, subtracting R_mean and dividing by sigma.
+  3. Give each completion the mean normalised score of the C(G - 1, k - 1) subsets that hold it.
+     Counting gives it in closed form (Eqs. 11-15), so no subset is ever built:
+        R_mean = 1 - C(G - c, k) / C(G, k)                                        (Eq. 11)
+        sigma  = sqrt(R_mean (1 - R_mean))                                        (Eq. 12)
+        A_pos  = (1 - R_mean) / sigma                                             (Eq. 14)
+        A_neg  = (1 - R_mean - C(G - c - 1, k - 1) / C(G - 1, k - 1)) / sigma     (Eq. 15)
+  4. Train on A_passk with grpo.py's loss.
+--passk-mode full and bootstrap build a few subsets instead (Secs. 2.2, 2.3), and --mix blends
+A_passk with A_1 (Eq. 18, Sec. 4); each is explained beside its code below.
 
-Pass@k Training (Chen et al., "Pass@k Training for Adaptively Balancing Exploration and Exploitation
-of Large Reasoning Models", arXiv 2508.10751) changes A_i alone. Of the N = G completions of a
-prompt, c are right (N_neg = N - c); a k-subset's reward is its members' max. A response gets the
-mean GRPO advantage of the C(N, k) subsets holding it (--passk-mode analytic, passk_group_values;
-A = 0 when sigma = 0: all right, all wrong, or N_neg < k), the GRPO advantages A_j of sampled
-subsets j (full, bootstrap), or that mixed with A_1, GRPO's A_i (--mix):
+Worked example, G = 4, k = 2, rewards [1, 0, 0, 0]. Of the 6 pairs, the 3 that hold the right
+completion score 1 and the other 3 score 0, so R_mean = 1/2, sigma = 1/2, and a pair's normalised
+score is +1 or -1. The right completion is in 3 pairs, all +1, so A_pos = 1. A wrong one is in 3
+pairs, one of them with the right completion, so A_neg = (+1 - 1 - 1) / 3 = -1/3. Against GRPO's
+[1.73, -0.58, -0.58, -0.58], a wrong answer costs less and the right one earns less. At the
+defaults (G = 8, k = 4):
 
-    R_mean = 1 - C(N_neg, k) / C(N, k)                              subsets' mean reward (Eq. 11)
-    sigma  = sqrt(R_mean (1 - R_mean))                              their std (Eq. 12)
-    A_pos  = (1 - R_mean) / sigma                                   a right response (Eq. 14)
-    A_neg  = (1 - R_mean - C(N_neg - 1, k - 1) / C(N - 1, k - 1)) / sigma   a wrong one (Eq. 15)
-    full         A_i = A_j of i's group, one of floor(G/k) disjoint groups of k (or 0)  (Sec. 2.2)
-    bootstrap    A_i = sum of A_j over the G random k-subsets j holding i                 (Eq. 6)
-    combination  A   = (c/N) A_passk + (1 - c/N) A_1                                      (Eq. 18)
-    adaptive     A   = A_1 for the half of the problems of highest mean token entropy, else A_passk
-      c    GRPO A_pos   GRPO A_neg   Pass@k A_pos   Pass@k A_neg     N = 8, k = 4 (the defaults)
+      c    A_1 right    A_1 wrong    A_passk right  A_passk wrong
       1       2.646       -0.378        1.000         -0.143
       2       1.732       -0.577        0.522         -0.174
       3       1.291       -0.775        0.277         -0.166
       4       1.000       -1.000        0.120         -0.120
-      5-7     0.775-0.378  -1.291 to -2.646     0        0
+      5-7  0.775 to 0.378  -1.291 to -2.646     0             0
 
-c A_pos + N_neg A_neg = 0, and k = 1 is GRPO. Pass@k weighs hard problems, barely punishes a wrong
-answer and ignores problems solved more than N - k times: it pays for exploring. On hard problems
-bootstrap's sum is about k x analytic, its mean (--bootstrap-average) close to it. Paper: DAPO, no
-KL, lr 1e-6, N = 32, k = 8. [our choice] sigma + 1e-4 (grpo.py's; the authors add 1e-6), so --k 1 is
-grpo.py exactly with --scale-rewards group (which sets only A_1 of --mix); --filter-groups also
-drops the groups with c > N - k. To carry Pass@k into another GRPO trainer, copy passk_group_values
-and passk_advantages in place of group_advantages; passk_training_advantages calls the other modes.
+In every row c A_pos + (G - c) A_neg = 0, as in GRPO. Pass@k weighs hard problems (small c) most,
+barely punishes a wrong answer, and ignores a problem solved more than G - k times, because then
+every subset holds a right answer. With k = 1 it is GRPO. To carry Pass@k into another GRPO
+trainer, copy passk_group_values and passk_advantages in place of group_advantages.
 
-The update (policy_loss, aggregate_loss, train_step):
-    rho_i,t = pi_theta(y_i,t | x, y_i,<t) / pi_old(y_i,t | x, y_i,<t)
-    l_i,t   = -min(rho_i,t A_i, clip(rho_i,t, 1 - eps_low, 1 + eps_high) A_i)   --eps-low/high
-              + beta (exp(ref - logp) - (ref - logp) - 1)        --beta: k3 KL to the start (0: off)
-  summed into one number by --loss-agg:
-    token-mean    sum over the batch's tokens / their number               (DAPO, the default)
-    seq-mean      mean over each sequence's tokens, then over sequences    (original GRPO)
-    seq-sum-norm  sum / (number of sequences x --max-new-tokens)           (Dr. GRPO)
-  k3, Schulman's third estimator of the Kullback-Leibler divergence KL(pi_theta || pi_ref), is
-  unbiased as a value on tokens pi_theta sampled; as a loss its gradient is that of KL(pi_ref ||
-  pi_theta), the reverse direction (as in TRL and verl). Our A_i is sqrt(G / (G - 1)) times TRL's
-  and verl's (their std divides by G - 1). [our choice] pi_old is the sampling policy as the trainer
-  computes it (--ppo-epochs 1: ratio 1, pi_old = logp.detach()); vLLM's own log-probs only check the
-  weight sync (logp_mismatch_*). A completion with A = 0 and no KL has no gradient: it is not
-  forwarded but counts in the normalisers (with beta = 0, --filter-groups only rescales the loss);
-  clip_frac_trained and entropy_trained (metrics.jsonl) cover the forwarded rows only. Weights and
-  AdamW state are float32; --dtype is the compute precision.
+Only the advantage changes. The sampling and the update are grpo.py's, word for word, so read
+policy_loss, aggregate_loss and train_step below, or grpo.py's docstring. With the default
+--ppo-epochs 1 the ratio pi_theta / pi_old is exactly 1 and the clip never acts, so each step is
+REINFORCE, a plain policy gradient weighted by A_passk.
 
 Run:
     python passk.py                     # offline default: analytic advantage, k = 4 of G = 8
+    python passk.py --group-size 32 --k 8 --lr 1e-6    # the paper's setting (DAPO's loss, no KL)
     python passk.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset train.jsonl \
         --eval-dataset test.jsonl
 """
@@ -87,111 +81,33 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # see the docstring
     add_common_args(parser)
     add_training_args(parser)  # GRPO's own among them: --scale-rewards, --eps-*, --loss-agg, --beta
+    # add_common_args, add_training_args (the shared flags), bounded (a number type with limits)
+    # and die (a one-line error, no traceback) are defined in the plumbing below the marker.
     add = parser.add_argument
-    add("--k", type=bounded(int, 1), default=4, help="k of the Pass@k reward trained")
+    add("--k", type=bounded(int, 1), default=4, help="subset size: the k of the Pass@k reward")
     add("--passk-mode", default="analytic", choices=["analytic", "bootstrap", "full"],
-        help="closed form, random k-subsets (Eq. 6) or disjoint groups of k")
+        help="analytic: all subsets, in closed form; bootstrap: G random ones; full: disjoint ones")
     add("--bootstrap-average", action="store_true", help="bootstrap: mean over subsets, not sum")
     add("--mix", default="none", choices=["none", "combination", "adaptive"],
-        help="with the Pass@1 advantage: weight c/N (Eq. 18) or by entropy (Sec. 4)")
+        help="blend with GRPO's advantage A_1: weight c/G (Eq. 18) or by entropy (Sec. 4)")
     args = parser.parse_args(argv)
     if args.k > args.group_size:
-        die(f"--k {args.k} is larger than --group-size {args.group_size}: k-subsets need k")
-    smallest_group = 2 * args.k if args.passk_mode == "full" else args.k + 1  # two k-subsets differ
-    if args.group_size < smallest_group and args.mix == "none":  # one subset, one reward: A = 0
-        die(f"--k {args.k} of --group-size {args.group_size} trains nothing (--passk-mode "
-            f"{args.passk_mode}: the subsets' rewards never differ); lower --k or add --mix")
+        die(f"--k {args.k} is larger than --group-size {args.group_size}, so no subset has "
+            f"{args.k} members")
+    # Unless two subsets can score differently, every A_passk is 0. Analytic and bootstrap need a
+    # completion outside some subset (G > k); full needs two disjoint subsets (G >= 2k).
+    smallest_group = 2 * args.k if args.passk_mode == "full" else args.k + 1
+    if args.group_size < smallest_group and args.mix == "none":
+        die(f"--k {args.k} of --group-size {args.group_size} trains nothing, because every subset "
+            f"that --passk-mode {args.passk_mode} builds scores the same; lower --k or add --mix")
     if args.bootstrap_average and args.passk_mode != "bootstrap":
         die("--bootstrap-average applies to --passk-mode bootstrap only")
+    if args.scale_rewards != "group" and args.mix == "none":
+        print("warning: --scale-rewards none changes nothing without --mix, because it sets only "
+              "GRPO's A_1, which --mix blends in; A_passk always divides by sigma", file=sys.stderr)
     return args
 
 # ------------------------------------------------------------------------ the method: advantages
-def passk_group_values(n, c, k, eps=1e-4):
-    """(A_pos, A_neg) of n responses with c right (Eqs. 11-15). q = 1 - R_mean is a ratio of exact
-    integers, so a tiny q is not lost to the cancellation in 1 - R_mean."""
-    q = math.comb(n - c, k) / math.comb(n, k)  # 1 - R_mean = C(N_neg, k) / C(N, k)   (Eq. 11)
-    sigma = math.sqrt(q * (1 - q))  # sigma = sqrt(R_mean (1 - R_mean))   (Eq. 12)
-    if sigma == 0:  # all right, all wrong, or N_neg < k: every subset scores the same
-        return 0.0, 0.0
-    # A wrong response's subsets are all wrong with probability C(N_neg-1, k-1) / C(N-1, k-1).
-    wrong_alone = math.comb(n - c - 1, k - 1) / math.comb(n - 1, k - 1)
-    a_pos = q / (sigma + eps)  # A_pos = (1 - R_mean) / sigma = q / sigma   (Eq. 14)
-    a_neg = (q - wrong_alone) / (sigma + eps)  # A_neg = (q - wrong_alone) / sigma   (Eq. 15)
-    return a_pos, a_neg
-
-def passk_advantages(rewards, group_size, k, eps=1e-4):
-    """Pass@k advantages in closed form: 0/1 rewards [P * G], groups of G consecutive -> [P * G]."""
-    grouped = rewards.float().view(-1, group_size)  # [P, G]
-    if not ((grouped == 0) | (grouped == 1)).all():
-        raise ValueError("Pass@k advantages need rewards in {0, 1}")
-    table = torch.tensor([passk_group_values(group_size, c, k, eps) for c in range(group_size + 1)])
-    values = table[grouped.sum(dim=1).long()]  # [P, 2]: (A_pos, A_neg) of each group, by its c
-    return torch.where(grouped == 1, values[:, :1], values[:, 1:]).reshape(-1)  # [P * G]
-
-def passk_advantages_full(rewards, group_size, k):
-    """Sec. 2.2: floor(G/k) disjoint groups of k consecutive responses, group reward = max, GRPO
-    advantage across the groups, shared by their members; leftovers get 0. [P * G] -> [P * G].
-    Example: G = 6, k = 2, rewards [1, 0, 0, 0, 1, 1]: A = [.71, .71, -1.41, -1.41, .71, .71]."""
-    grouped = rewards.float().view(-1, group_size)  # [P, G]
-    m = group_size // k  # disjoint groups per prompt
-    group_reward = grouped[:, : m * k].reshape(-1, m, k).amax(dim=2)  # [P, m]
-    group_adv = group_advantages(group_reward.reshape(-1), m).view(-1, m)  # A_j   [P, m]
-    advantages = torch.zeros_like(grouped)  # [P, G]
-    advantages[:, : m * k] = group_adv.repeat_interleave(k, dim=1)  # A_i = A_j of i's group
-    return advantages.reshape(-1)  # [P * G]
-
-def passk_advantages_bootstrap(rewards, group_size, k, average=False, num_groups=None):
-    """Sec. 2.3, Eq. 6, over num_groups (default G) random k-subsets per prompt; average=True: the
-    mean, not the sum (0 in none). [P * G] -> [P * G]. Draws from torch's global generator."""
-    grouped = rewards.float().view(-1, group_size)  # [P, G]
-    P = grouped.shape[0]
-    M = num_groups or group_size  # subsets per prompt
-    picks = torch.rand(P, M, group_size).argsort(dim=2)[:, :, :k]  # [P, M, k]: a random k-subset
-    member = torch.zeros(P, M, group_size).scatter_(2, picks, 1.0)  # [P, M, G]: i is in subset j
-    group_reward = grouped.gather(1, picks.reshape(P, M * k)).view(P, M, k).amax(dim=2)  # [P, M]
-    subset_adv = group_advantages(group_reward.reshape(-1), M).view(P, M, 1)  # A_j   [P, M, 1]
-    advantages = (member * subset_adv).sum(dim=1)  # A_i = sum of A_j, j holding i (Eq. 6)  [P, G]
-    if average:
-        advantages = advantages / member.sum(dim=1).clamp(min=1)  # [P, G]
-    return advantages.reshape(-1)  # [P * G]
-
-def mix_advantages(pass1, passk, rewards, group_size, entropy=None):
-    """--mix combination (Eq. 18), or adaptive with entropy [P] (Sec. 4): A_1 (pass1) for the P // 2
-    problems that explore already (ties: the earlier first). pass1, passk [P * G] -> [P * G]."""
-    if entropy is None:
-        right = rewards.float().view(-1, group_size).mean(dim=1).repeat_interleave(group_size)
-        return right * passk + (1 - right) * pass1  # right = c/N: (c/N) A_passk + (1 - c/N) A_1
-    highest = torch.argsort(entropy, descending=True, stable=True)[: len(entropy) // 2]
-    use_pass1 = torch.zeros(len(entropy), dtype=torch.bool)  # [P]
-    use_pass1[highest] = True  # the half with the highest mean token entropy
-    return torch.where(use_pass1.repeat_interleave(group_size), pass1, passk)  # A_1, else A_passk
-
-@torch.no_grad()
-def problem_entropy(model, prompts, samples, args):
-    """Mean token entropy of each problem's responses under the policy: [P] (--mix adaptive)."""
-    rows = [prompts[i // args.group_size] for i in range(len(samples))]  # each response's prompt
-    pad_id = model.generation_config.pad_token_id
-    ids, attention, mask = build_batch(rows, [s["ids"] for s in samples], pad_id)  # mask [B, t]
-    dtype = getattr(torch, args.dtype)
-    _, entropy = token_logprobs(model, ids.to(model.device), attention.to(model.device),
-                                mask.shape[1], args.temperature, args.micro_batch, True, dtype)
-    per_response = (entropy.cpu() * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B]
-    return per_response.view(-1, args.group_size).mean(dim=1)  # [P]
-
-def passk_training_advantages(rewards, args, entropy=None):
-    """The advantage trained, as --passk-mode and --mix choose: rewards [P * G] -> [P * G]."""
-    G = args.group_size
-    if args.passk_mode == "analytic":
-        passk = passk_advantages(rewards, G, args.k)  # Eqs. 11-15
-    elif args.passk_mode == "full":
-        passk = passk_advantages_full(rewards, G, args.k)  # floor(G/k) disjoint groups of k
-    else:
-        passk = passk_advantages_bootstrap(rewards, G, args.k, args.bootstrap_average)  # Eq. 6
-    if args.mix == "none":
-        return passk
-    pass1 = group_advantages(rewards, G, args.scale_rewards)  # A_1
-    return mix_advantages(pass1, passk, rewards, G, entropy)
-
 def group_advantages(rewards, group_size, scale="group"):
     """rewards [P * G], each group of G consecutive -> advantages [P * G].
 
@@ -203,6 +119,113 @@ def group_advantages(rewards, group_size, scale="group"):
         std = grouped.std(dim=1, unbiased=False, keepdim=True)  # divides by G   [P, 1]
         centred = centred / (std + 1e-4)  # A_i = (r_i - mean(r)) / (std(r) + 1e-4)
     return centred.reshape(-1)  # [P * G]
+
+# GRPO's advantage above is A_1. Pass@k's follow, each from rewards [P * G] to advantages [P * G].
+def passk_group_values(group_size, c, k, eps=1e-4):
+    """(A_pos, A_neg) of a group of group_size completions of which c are right (Eqs. 11-15)."""
+    # q = 1 - R_mean is computed as a ratio of exact integers, because 1 - R_mean in floats would
+    # round a tiny q to 0 and lose its signal. [our choice] sigma + 1e-4 is grpo.py's epsilon (the
+    # authors add 1e-6), so that --k 1 gives grpo.py's advantages exactly.
+    q = math.comb(group_size - c, k) / math.comb(group_size, k)  # 1 - R_mean   (Eq. 11)
+    sigma = math.sqrt(q * (1 - q))  # sigma = sqrt(R_mean (1 - R_mean))   (Eq. 12)
+    if sigma == 0:  # no subset differs when all are right, all wrong, or fewer than k wrong
+        return 0.0, 0.0
+    # Every subset that holds a right completion scores 1, so a right one's mean normalised score
+    # is (1 - R_mean) / sigma. A wrong one's subsets score 1 too, except the share all_wrong of
+    # its C(G - 1, k - 1) subsets whose k - 1 other members are wrong as well.
+    all_wrong = math.comb(group_size - c - 1, k - 1) / math.comb(group_size - 1, k - 1)
+    a_pos = q / (sigma + eps)  # A_pos = (1 - R_mean) / sigma   (Eq. 14)
+    a_neg = (q - all_wrong) / (sigma + eps)  # A_neg = (1 - R_mean - all_wrong) / sigma   (Eq. 15)
+    return a_pos, a_neg
+
+def passk_advantages(rewards, group_size, k, eps=1e-4):
+    """A_passk in closed form (--passk-mode analytic): rewards [P * G] of 0 or 1 -> [P * G]."""
+    grouped = rewards.float().view(-1, group_size)  # [P, G]
+    if not ((grouped == 0) | (grouped == 1)).all():  # the closed form counts right and wrong
+        die("--passk-mode analytic needs rewards of 0 or 1 (full and bootstrap take any reward)")
+    table = torch.tensor([passk_group_values(group_size, c, k, eps) for c in range(group_size + 1)])
+    values = table[grouped.sum(dim=1).long()]  # [P, 2]: (A_pos, A_neg) of each group, by its c
+    return torch.where(grouped == 1, values[:, :1], values[:, 1:]).reshape(-1)  # [P * G]
+
+def passk_advantages_full(rewards, group_size, k):
+    """--passk-mode full (Sec. 2.2): split each group into M = floor(G/k) disjoint subsets of k
+    consecutive completions (as good as random, since the G are independent draws), score each
+    subset by its best member, give the M subsets GRPO's advantage A_j among themselves and each
+    completion its subset's; the G - M k left over get 0. Example: G = 6, k = 2, rewards
+    [1, 0, 0, 0, 1, 1]: the subsets score [1, 0, 1], so A = [.71, .71, -1.41, -1.41, .71, .71]."""
+    grouped = rewards.float().view(-1, group_size)  # [P, G]
+    M = group_size // k  # disjoint subsets per prompt
+    subset_reward = grouped[:, : M * k].reshape(-1, M, k).amax(dim=2)  # [P, M]
+    subset_adv = group_advantages(subset_reward.reshape(-1), M).view(-1, M)  # A_j   [P, M]
+    advantages = torch.zeros_like(grouped)  # [P, G]
+    advantages[:, : M * k] = subset_adv.repeat_interleave(k, dim=1)  # A_i = A_j of i's subset
+    return advantages.reshape(-1)  # [P * G]
+
+def passk_advantages_bootstrap(rewards, group_size, k, average=False, num_subsets=None):
+    """--passk-mode bootstrap (Sec. 2.3, Eq. 6): draw M = num_subsets (default G) random subsets
+    of k per prompt, score each by its best member, give the M subsets GRPO's advantage A_j among
+    themselves and each completion the sum of A_j over the subsets j that hold it (average=True:
+    their mean; a completion in no subset gets 0). Draws from torch's global generator."""
+    # With M = G a completion is in k subsets on average, so on hard problems the sum is about k
+    # times the analytic value (the paper's reviewers objected to this) and the mean is close to it.
+    # On easy ones both fall short, because the M subsets drawn often all hold a right completion.
+    grouped = rewards.float().view(-1, group_size)  # [P, G]
+    P = grouped.shape[0]
+    M = num_subsets or group_size  # random subsets per prompt
+    picks = torch.rand(P, M, group_size).argsort(dim=2)[:, :, :k]  # [P, M, k]: M random subsets
+    member = torch.zeros(P, M, group_size).scatter_(2, picks, 1.0)  # [P, M, G]: i is in subset j
+    subset_reward = grouped.gather(1, picks.reshape(P, M * k)).view(P, M, k).amax(dim=2)  # [P, M]
+    subset_adv = group_advantages(subset_reward.reshape(-1), M).view(P, M, 1)  # A_j   [P, M, 1]
+    advantages = (member * subset_adv).sum(dim=1)  # A_i = sum of A_j, j holding i (Eq. 6)  [P, G]
+    if average:
+        advantages = advantages / member.sum(dim=1).clamp(min=1)  # [P, G]
+    return advantages.reshape(-1)  # [P * G]
+
+def mix_advantages(pass1, passk, rewards, group_size, entropy=None):
+    """--mix: A_1 (pass1) blended with A_passk (passk), [P * G] each -> [P * G]. Without entropy
+    it is the combination (Eq. 18); with each problem's mean token entropy [P], adaptive."""
+    # combination: A = (c/G) A_passk + (1 - c/G) A_1. The source gives this equation; why it leans
+    # on Pass@k for easy problems is our reading. On an easy problem (c = 7 of 8) A_1 pushes hard
+    # against the one wrong completion (-2.646), which sharpens a policy that already solves it and
+    # costs its variety; A_passk there is 0 (c > G - k), so the blend keeps an eighth of A_1
+    # (-0.331). On a hard problem (c = 1) the blend is mostly A_1, which pushes the rare right
+    # completion up harder (2.440) than A_passk alone (1.000) and so exploits a solution just found.
+    if entropy is None:
+        right = rewards.float().view(-1, group_size).mean(dim=1).repeat_interleave(group_size)
+        return right * passk + (1 - right) * pass1  # right = c/G: (c/G) A_passk + (1 - c/G) A_1
+    # adaptive: the P // 2 problems of highest mean token entropy explore already, so they get A_1
+    # to exploit what they find, the others A_passk to explore; ties go to the earlier problem.
+    highest = torch.argsort(entropy, descending=True, stable=True)[: len(entropy) // 2]
+    use_pass1 = torch.zeros(len(entropy), dtype=torch.bool)  # [P]
+    use_pass1[highest] = True  # the half with the highest mean token entropy
+    return torch.where(use_pass1.repeat_interleave(group_size), pass1, passk)  # A_1, else A_passk
+
+@torch.no_grad()
+def problem_entropy(model, prompts, samples, args):
+    """Mean token entropy of each problem's completions under the policy [P], for --mix adaptive.
+    build_batch and token_logprobs (in the plumbing) pad the rows and give each token's entropy."""
+    rows = [prompts[i // args.group_size] for i in range(len(samples))]  # each completion's prompt
+    pad_id = model.generation_config.pad_token_id
+    ids, attention, mask = build_batch(rows, [s["ids"] for s in samples], pad_id)  # mask [B, t]
+    dtype = getattr(torch, args.dtype)
+    _, entropy = token_logprobs(model, ids.to(model.device), attention.to(model.device),
+                                mask.shape[1], args.temperature, args.micro_batch, True, dtype)
+    per_completion = (entropy.cpu() * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B]
+    return per_completion.view(-1, args.group_size).mean(dim=1)  # [P]
+
+def passk_training_advantages(rewards, args, entropy=None):
+    """The advantage trained, as --passk-mode and --mix choose: rewards [P * G] -> [P * G]."""
+    G = args.group_size
+    if args.passk_mode == "analytic":
+        passk = passk_advantages(rewards, G, args.k)  # Eqs. 11-15
+    elif args.passk_mode == "full":
+        passk = passk_advantages_full(rewards, G, args.k)  # floor(G/k) disjoint subsets
+    else:
+        passk = passk_advantages_bootstrap(rewards, G, args.k, args.bootstrap_average)  # Eq. 6
+    if args.mix == "none":
+        return passk
+    pass1 = group_advantages(rewards, G, args.scale_rewards)  # A_1
+    return mix_advantages(pass1, passk, rewards, G, entropy)
 
 # ------------------------------------------------------------------------ the update
 def policy_loss(logp, old_logp, advantages, eps_low, eps_high, ref_logp=None, beta=0.0):
@@ -322,8 +345,10 @@ def main(argv=None):
         entropy = problem_entropy(run.model, prompts, samples, args) if adaptive else None  # [P]
         advantages = passk_training_advantages(rewards, args, entropy)  # [P * G]
         zero_std = rewards.view(-1, G).std(dim=1) == 0  # [groups]: all rewards equal
-        dead = (advantages.view(-1, G) == 0).all(dim=1)  # [P]: equal rewards, or c > N - k
-        rows = [i for i in range(len(samples)) if not (args.filter_groups and dead[i // G])]
+        # [our choice] --filter-groups drops every group whose advantages are all 0: those whose
+        # rewards are all equal, as grpo.py does, and also those Pass@k ignores (c > G - k).
+        no_signal = (advantages.view(-1, G) == 0).all(dim=1)  # [P]
+        rows = [i for i in range(len(samples)) if not (args.filter_groups and no_signal[i // G])]
         stats = {}
         if rows:
             stats = run.update([prompts[i // G] for i in rows], [samples[i] for i in rows],
@@ -334,7 +359,7 @@ def main(argv=None):
                   "all_wrong_frac": (rewards.view(-1, G).sum(dim=1) == 0).float().mean().item(),
                   "completion_len_mean": float(np.mean(lengths)),
                   "truncated_frac": float(np.mean([s["truncated"] for s in samples])), **stats}
-        record["frac_zero_adv"] = (advantages == 0).float().mean().item()
+        record["frac_zero_adv"] = (advantages == 0).float().mean().item()  # completions with A = 0
         tokens_read = G * sum(map(len, prompts))  # each sample reads its prompt
         if run.end_step(step, record, tokens_sampled=sum(lengths), tokens_read=tokens_read):
             break  # --token-budget spent

@@ -98,8 +98,12 @@ def test_analytic_worked_example_and_epsilon():
 
 
 def test_analytic_needs_binary_rewards():
-    with pytest.raises(ValueError):
+    """A reward other than 0 or 1 (a verifier swapped for one that gives partial credit) is a
+    one-line error, as every bad input is, not a traceback."""
+    with pytest.raises(SystemExit) as exc:
         passk.passk_advantages(torch.tensor([0.5, 0, 1, 0]), 4, 2)
+    text = str(exc.value.code)
+    assert text.startswith("error:") and "rewards of 0 or 1" in text and "\n" not in text
 
 
 def test_tiny_all_wrong_share_is_not_lost():
@@ -216,6 +220,12 @@ def test_combination_by_hand():
                                rewards, 4)
     assert got.tolist() == pytest.approx([0.25 + 0.75 * math.sqrt(3)] + [-1 / 12 - 0.75 / math.sqrt(3)] * 3,
                                          abs=1e-3)
+    # The numbers in mix_advantages's comment, G = 8, k = 4: the wrong completion of an easy
+    # problem (c = 7) keeps an eighth of A_1; the right one of a hard problem (c = 1) mostly A_1.
+    rewards = torch.tensor([1.0] * 7 + [0.0] + [1.0] + [0.0] * 7)  # c = 7, then c = 1
+    pass1, passk_adv = grpo.group_advantages(rewards, 8), passk.passk_advantages(rewards, 8, 4)
+    got = passk.mix_advantages(pass1, passk_adv, rewards, 8)
+    assert [got[7].item(), got[8].item()] == pytest.approx([-0.331, 2.440], abs=1e-3)  # + 1e-4 eps
 
 
 def test_adaptive_by_hand():
@@ -265,6 +275,16 @@ def test_bad_flags_give_one_line_errors(argv, message):
     assert message in text and "\n" not in text and text.startswith("error:")
 
 
+def test_scale_rewards_none_without_mix_warns(capsys):
+    """--scale-rewards sets only A_1, which only --mix uses: without --mix the flag would change
+    nothing, so the run says so at start instead of dropping it silently."""
+    passk.parse_args(["--scale-rewards", "none"])
+    assert "warning: --scale-rewards none changes nothing without --mix" in capsys.readouterr().err
+    for argv in (["--scale-rewards", "none", "--mix", "combination"], ["--scale-rewards", "group"]):
+        passk.parse_args(argv)
+        assert capsys.readouterr().err == ""
+
+
 def test_good_flags_pass():
     for argv in (["--k", "8", "--mix", "combination"], ["--k", "1"], ["--k", "4", "--passk-mode", "full"],
                  ["--passk-mode", "bootstrap", "--bootstrap-average"]):
@@ -276,8 +296,12 @@ def test_good_flags_pass():
 def test_docstring_table_matches_the_code():
     rows = re.findall(r"^\s+(\d+)" + r"\s+(-?\d+\.\d{3})" * 4 + r"\s*$", passk.__doc__, flags=re.M)
     assert [int(r[0]) for r in rows] == list(range(1, 5))
-    assert re.search(r"^\s+5-7\s+0\.775-0\.378\s+-1\.291 to -2\.646\s+0\s+0\s*$", passk.__doc__, re.M)
+    assert re.search(r"^\s+5-7\s+0\.775 to 0\.378\s+-1\.291 to -2\.646\s+0\s+0\s*$", passk.__doc__,
+                     re.M)
     assert all(passk.passk_group_values(8, c, 4, eps=0.0) == (0.0, 0.0) for c in (5, 6, 7))
+    easy = [(1 - p) / math.sqrt(p * (1 - p)) for p in (5 / 8, 7 / 8)]  # A_1 of a right one
+    easy += [-p / math.sqrt(p * (1 - p)) for p in (5 / 8, 7 / 8)]  # and of a wrong one
+    assert [f"{x:.3f}" for x in easy] == ["0.775", "0.378", "-1.291", "-2.646"]
     n, k = 8, 4
     for c, *printed in rows:
         c = int(c)
