@@ -173,8 +173,9 @@ def select_parents(db, n_parents):
 def ruled_out(db, limit=None):
     """The distinct wrong final answers in db, in the order first tried (the `limit` tried last)."""
     wrong = [attempt.answer for attempt in db if attempt.reward < 1 and attempt.answer]
-    recent = set(list(dict.fromkeys(reversed(wrong)))[:limit])  # by latest attempt, newest first
-    return [answer for answer in dict.fromkeys(wrong) if answer in recent]
+    newest_first = list(dict.fromkeys(reversed(wrong)))  # each answer once, by its latest attempt
+    kept = set(newest_first[:limit])
+    return [answer for answer in dict.fromkeys(wrong) if answer in kept]  # in the order first tried
 
 def shown_attempt(text, max_chars):
     """An attempt as a prompt shows it, its last max_chars characters, where the answer is."""
@@ -183,14 +184,14 @@ def shown_attempt(text, max_chars):
 
 # [our choice] E(x, S) is one user message. Its parts, separated by blank lines, are x, the HEADER,
 # the parents, the ruled-out answers and the INSTRUCTION, which repeats x so that the task's answer
-# format is read last. In the worked example the first parent and the end of E(x, S) read
+# format is read last. In the worked example one parent and the end of E(x, S) read
 #     Attempt:
 #     It is 35
 #     Verdict: The final answer 35 is incorrect.
 #     Ruled out: 35, 36.
 #     Try again, with an answer that is not ruled out. What is 9 + 20? Answer with just the number.
 def render_evolution_prompt(question, parents, ruled, max_attempt_chars):
-    """E(x, S) as text. Nothing here reads the gold answer; the verdicts were made earlier."""
+    """E(x, S) as text. Nothing here reads the gold answer; each f(y) was made earlier."""
     parts = [question] + (["", HEADER] if parents else [])  # the header only above attempts
     for attempt in parents:
         parts += ["", "Attempt:", shown_attempt(attempt.text, max_attempt_chars),
@@ -236,12 +237,12 @@ def evolve_round(sampler, tokenizer, problems, dbs, step, round_, args):
     return C * sum(map(len, prompts)), sum(len(child["ids"]) for child in children)
 
 # [our choice] A child y from pi_theta(.|E(x, S)) is trained as an answer to the bare prompt x, with
-# no weight pi_theta(y|x) / pi_theta(y|E(x, S)) (evolved_logp_gap_mean logs its log), and its ratio
-# is 1 at the default --ppo-epochs 1. That is reward-weighted fine-tuning on an off-policy answer,
-# biased, but a gradient where the group had none.
+# no weight pi_theta(y|x) / pi_theta(y|E(x, S)) (evolved_logp_gap_mean logs its log); at the default
+# --ppo-epochs 1 its ratio is 1 and the clip never acts. That is reward-weighted fine-tuning on an
+# off-policy answer, biased, but a gradient where the group had none.
 def join_evolved(samples, rewards, groups, dbs, since, group_size, max_evolved):
     """Up to max_evolved right children of this visit (dbs[j][since[j]:]) replace the last samples
-    of group groups[j]. Returns new samples, rewards [P * G] and the rescues [(row, child)]."""
+    of group groups[j] (all wrong). Returns samples, rewards [P * G] and rescues [(row, child)]."""
     samples, rewards = list(samples), rewards.clone()  # copies: the arguments stay as they were
     rescues = []
     for group, db, start in zip(groups, dbs, since):
@@ -321,8 +322,7 @@ def seed_arm(seed, arm_index, round_):
     torch.manual_seed(derived)  # CUDA's generators too
 
 def search(args):
-    """--mode search. It sets up as Run does (check_args, load_model, Sampler are the plumbing's),
-    runs the arms round by round, and writes summary.json and evolution_trees.jsonl."""
+    """--mode search: set up as Run does (plumbing helpers), then run the arms round by round."""
     check_args(args, "sampling_evolve")
     training = argparse.ArgumentParser()  # a training flag the user changed does nothing here
     add_training_args(training)
