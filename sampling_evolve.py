@@ -241,7 +241,7 @@ def evolve_round(sampler, tokenizer, problems, dbs, step, round_, args):
 # --ppo-epochs 1 its ratio is 1 and the clip never acts. That is reward-weighted fine-tuning on an
 # off-policy answer, biased, but a gradient where the group had none.
 def join_evolved(samples, rewards, groups, dbs, since, group_size, max_evolved):
-    """Up to max_evolved right children of this visit (dbs[j][since[j]:]) replace the last samples
+    """Up to max_evolved right children of this step (dbs[j][since[j]:]) replace the last samples
     of group groups[j] (all wrong). Returns samples, rewards [P * G] and rescues [(row, child)]."""
     samples, rewards = list(samples), rewards.clone()  # copies: the arguments stay as they were
     rescues = []
