@@ -1,30 +1,35 @@
 """SamplingEvolve: sampling conditioned on the model's own earlier attempts and their feedback.
 
-Li, Zeng, Ma, Song, Jia, "SamplingEvolve" (2025); only the opening of the source survives. Instead
-of independent samples y ~ pi_theta(.|x), store the model's attempts with their evaluation feedback
-and sample new attempts conditioned on them: over rounds the attempts form an evolution tree. Used
-as a search (--mode search, no training) and in GRPO, to rescue the groups with no right sample.
+GRPO (Group Relative Policy Optimization) learns nothing from a group whose G samples are all wrong
+(their advantages A are 0), and more independent samples of a hard problem tend to repeat the same
+mistakes. Li, Zeng, Ma, Song and Jia ("SamplingEvolve", 2025) propose to store the model's attempts
+at a problem with feedback on each, and to sample new attempts from a prompt that shows them, so
+that they can avoid the old mistakes. Over rounds the attempts form an evolution tree. Our copy of
+the source ends after its opening (its method section was not available), so each step is ours.
 
-    round 0:  y ~ pi_theta(.|x)                          --group-size K independent attempts
-    round r:  y ~ pi_theta(.|E(x, S)), S = select(D_x)   --children per problem, --rounds rounds
-    D_x      <- D_x + {(y, a(y), r(y), f(y), parents, round)}   the problem's database (a: answer)
-    f(y)      = "The final answer 21 is incorrect."      verifier.feedback (never the gold answer)
-    E(x, S)   = x; each parent's last --max-attempt-chars characters and verdict f; "Ruled out:"
-                every distinct wrong final answer in D_x; x again (its answer format last)
+Notation (the code's names in brackets):
+    x, y        a problem's question (the bare prompt) and one attempt at it, a completion
+    a(y), r(y)  y's final answer [answer] and its reward in {0, 1} against the gold answer [reward]
+    f(y)        one sentence of feedback on a(y) that never names the gold answer [feedback]
+    D_x         the problem's database, its attempts so far, each with a, r, f and its parents [db]
+    S           the parents, the wrong attempts of D_x that one prompt shows [select_parents]
+    E(x, S), E  the evolution prompt, made of x, S with its feedback, and D_x's wrong answers
 
-Everything after the opening is ours [our choice]:
-  * select(D_x) (select_parents): up to --n-parents wrong attempts of all D_x, one per distinct
-    final answer first, in random order, then the rest (0/1 rewards: no "best" attempt to prefer).
-  * No prompt holds the gold answer: evolving stops at a problem's first right attempt, parents and
-    ruled-out answers are wrong attempts only, the template has no digit, and a child copying a
-    prompt label ("Attempt:", "Verdict:", "Ruled out:") is cut there (drop_copied_scaffold).
-  * --mode search (search), on held-out problems: round 0 (K samples of x per problem) is shared;
-    then each round, for every problem an arm has not solved: evolve, --children children;
-    independent, --children samples of x (the source's Pass@N); same tokens, samples of x until
-    their tokens read + written reach evolution's (the last pass may go past). With --backend hf
-    each arm has its own seeded stream. Evolve's f(y) reads the gold answer: an oracle checker.
+The steps for one problem, all [our choice]:
+    round 0              G = --group-size attempts y ~ pi_theta(.|x), scored and stored in D_x
+    rounds 1..--rounds   S = select(D_x), then C = --children attempts y ~ pi_theta(.|E), stored
+    stop                 after the first round that finds a right attempt, as the problem is solved
+--mode search runs them on held-out problems against independent sampling. --mode train (the
+default) runs them on GRPO's groups with no right sample; up to --max-evolved right children then
+replace wrong samples as answers to x, so that the group has a gradient where it had none.
 
---mode train (main, the default) is GRPO (Group Relative Policy Optimization) with a rescue:
+Worked example, G = 4. x = "What is 9 + 20? Answer with just the number." (gold 29). Round 0 wrote
+"The answer is 35.", "36", "I do not know" and "It is 35", whose answers 35, 36, none and 35 are all
+wrong. S holds the latest attempt of each answer in random order ("It is 35", "36", "I do not
+know"), and E(x, S) rules out 35 and 36. In training, a right child replaces the group's last
+sample, and the rewards [0, 0, 0, 1] give A = [-0.58, -0.58, -0.58, 1.73] instead of zeros.
+
+Train mode's update is GRPO's, as grpo.py describes it:
 For every prompt x, sample a group of G completions y_1..y_G from the current policy, score each
 with the verifier (reward r_i in {0, 1}) and push up the completions that beat their group:
 
@@ -37,16 +42,6 @@ without refilling the batch). Sources: DeepSeekMath (GRPO); DAPO (Decoupled clip
 sAmpling Policy Optimization: clip-higher, eps_high > eps_low, and the token-level loss); Dr. GRPO
 (GRPO Done Right: no std, no length normalisation). To carry GRPO into another trainer, copy
 group_advantages, policy_loss and aggregate_loss; train_step shows how they are called.
-
-The steps of main: (1) the groups, scored; (2) a group with no right sample is evolved, its G
-samples round 0 of this visit to D_x (kept across steps and --resume); (3) up to --rounds rounds
-while it has no right attempt (evolve_round); (4) up to --max-evolved right children replace its
-last samples (join_evolved) as answers to the BARE prompt x; (5) A_i, the update. To carry the
-rescue into another GRPO trainer, copy the evolution section (Attempt to join_evolved) and steps
-(2)-(4). A rescued y came from pi_theta(.|E) but is trained as the policy's answer to x (ratio 1 at
---ppo-epochs 1), without the weight pi_theta(y|x) / pi_theta(y|E) (evolved_logp_gap_mean: its log,
-averaged over rescued rows, before the update): reward-weighted fine-tuning on an off-policy answer,
-with its bias, but a gradient where there was none (G = 8, one rescue: A = [2.65, -0.38 x 7]).
 
 The update (policy_loss, aggregate_loss, train_step):
     rho_i,t = pi_theta(y_i,t | x, y_i,<t) / pi_old(y_i,t | x, y_i,<t)
@@ -89,24 +84,27 @@ from tqdm import tqdm
 
 import verifier
 
+# The shared flags (add_*_args) and the one-line errors (bounded, die) come from the plumbing below.
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # see the docstring
     add_common_args(parser)
     add_training_args(parser)  # GRPO's own among them: --scale-rewards, --eps-*, --loss-agg, --beta
-    parser.epilog = "tokens_read and --budget-counts read+written count evolution's prompts too"
-    parser.set_defaults(steps=10)  # [our choice] evolution's extra sampling: a CPU run stays short
+    parser.epilog = ("--steps defaults to 10 here (12 in grpo.py). tokens_read and --budget-counts "
+                     "read+written count evolution's prompts too.")
+    parser.set_defaults(steps=10)  # [our choice] evolution samples more, so a run takes fewer steps
     add = parser.add_argument
     add("--mode", default="train", choices=["train", "search"],
-        help="train: GRPO that rescues all-wrong groups; search: held-out, vs independent samples")
+        help="train: GRPO that evolves all-wrong groups; search: held-out, vs independent samples")
     add("--rounds", type=bounded(int, 0), default=2, help="evolution rounds after round 0")
-    add("--children", type=bounded(int, 1), default=4, help="attempts per problem in a round")
-    add("--n-parents", type=bounded(int, 0), default=3, help="earlier attempts shown per prompt")
-    add("--max-attempt-chars", type=bounded(int, 1), default=200, help="shown: an attempt's last N")
+    add("--children", type=bounded(int, 1), default=4, help="attempts per problem in a round (C)")
+    add("--n-parents", type=bounded(int, 0), default=3, help="earlier attempts a prompt shows (S)")
+    add("--max-attempt-chars", type=bounded(int, 1), default=200, help="a shown attempt's last N")
+    add("--max-ruled-out", type=bounded(int, 1), default=20, help="answers ruled out, the latest N")
     add("--max-evolved", type=bounded(int, 0), default=2, help="train: right children per group")
     args = parser.parse_args(argv)
     if args.mode == "search" and args.rounds < 1:
         die("--rounds must be at least 1 with --mode search")
-    if args.mode == "train" and args.max_evolved >= args.group_size:  # one wrong sample must stay
+    if args.mode == "train" and args.max_evolved >= args.group_size:  # so a wrong sample stays
         die(f"--max-evolved {args.max_evolved} must be below --group-size {args.group_size}")
     return args
 
@@ -124,29 +122,31 @@ def group_advantages(rewards, group_size, scale="group"):
     return centred.reshape(-1)  # [P * G]
 
 # ------------------------------------------------------------------------ the method: evolution
+# [our choice] E(x, S)'s fixed text has no digit, so a numeric gold answer cannot come from it.
 HEADER = "Earlier attempts at this problem, each with a checker's verdict:"
 INSTRUCTION = "Try again, with an answer that is not ruled out. {question}"
-LABELS = re.compile(r"Attempt:|Verdict:|Ruled out:")  # a child copying one is cut there; no digit
+LABELS = re.compile(r"Attempt:|Verdict:|Ruled out:")
 
 @dataclasses.dataclass
 class Attempt:
-    """One attempt y in a problem's database D_x: a node of its evolution tree."""
+    """One attempt y in a problem's database D_x, and so one node of its evolution tree."""
     id: int  # its index in D_x
     step: int  # the training step that sampled it (0 in search)
-    round: int  # 0: a sample of the bare prompt x; r > 0: a child of evolution round r
+    round: int  # 0: a sample of the bare prompt x; 1, 2, ...: a child of that evolution round
     parents: list  # the ids of the attempts its prompt showed (S)
     text: str  # y, decoded
     answer: str | None  # a(y), its final answer (None: none found)
     reward: float  # r(y), against the gold answer
     truncated: bool  # no stop id, or cut where it copied a prompt label
-    feedback: str  # f(y), the verdict later prompts show: made against the gold answer
+    feedback: str  # f(y), shown after "Verdict:" in later prompts; it never names the gold answer
     ids: list | None  # y's token ids, for this step's training only (None after the step)
     prompt: list | None  # the prompt y was sampled from (x or E(x, S)), ids; None after the step
 
 def add_attempt(db, text, gold, ids, truncated, prompt, step, round_, parents):
-    """D_x <- D_x + {(y, a(y), r(y), f(y), parents, round)}: one scored attempt into db."""
+    """Score attempt y against the gold answer and append it to db: D_x <- D_x + {y}."""
     answer = verifier.extract_answer(text)  # a(y)
-    feedback = verifier.feedback(text, gold) if answer else "No final answer found."  # f(y)
+    # f(y); with no answer verifier.feedback would ask for \boxed{}, which fights the task's format
+    feedback = verifier.feedback(text, gold) if answer else "No final answer found."
     db.append(Attempt(len(db), step, round_, parents, text, answer, verifier.reward(text, gold),
                       truncated, feedback, ids, prompt))  # D_x <- D_x + {y}
 
@@ -155,25 +155,43 @@ def solved(db, since=0):
     return any(attempt.reward >= 1 for attempt in db[since:])
 
 def select_parents(db, n_parents):
-    """S = select(D_x): the latest wrong attempt of each answer (shuffled), then the rest."""
-    wrong = [attempt for attempt in reversed(db) if attempt.reward < 1]  # latest first
-    latest = list({a.answer: a for a in reversed(wrong)}.values())  # last write wins (None too)
-    random.shuffle(latest)
-    chosen = {attempt.id for attempt in latest}
-    return (latest + [attempt for attempt in wrong if attempt.id not in chosen])[:n_parents]
+    """S = select(D_x) [our choice]. Under 0/1 rewards no wrong attempt beats another, so S seeks
+    variety. It takes the latest wrong attempt of each final answer (None too) in random order, then
+    the others, latest first. A right attempt is never a parent, so no prompt shows the gold."""
+    wrong = [attempt for attempt in db if attempt.reward < 1]  # oldest first
+    latest = {}  # final answer -> its latest wrong attempt, the answers in the order first tried
+    for attempt in wrong:
+        latest[attempt.answer] = attempt  # a later attempt overwrites; the key keeps its place
+    distinct = list(latest.values())
+    random.shuffle(distinct)
+    chosen = {attempt.id for attempt in distinct}
+    rest = [attempt for attempt in reversed(wrong) if attempt.id not in chosen]  # latest first
+    return (distinct + rest)[:n_parents]
 
-def ruled_out(db):
-    """Every distinct wrong final answer in the database, in the order first tried."""
-    return list(dict.fromkeys(a.answer for a in db if a.reward < 1 and a.answer))
+# [our choice] The list tells the model which answers not to repeat. In training D_x grows each time
+# its problem is evolved, so the list keeps the --max-ruled-out answers the policy tried last.
+def ruled_out(db, limit=None):
+    """The distinct wrong final answers in db, in the order first tried (the `limit` tried last)."""
+    wrong = [attempt.answer for attempt in db if attempt.reward < 1 and attempt.answer]
+    newest_first = list(dict.fromkeys(reversed(wrong)))  # each answer once, by its latest attempt
+    kept = set(newest_first[:limit])
+    return [answer for answer in dict.fromkeys(wrong) if answer in kept]  # in the order first tried
 
 def shown_attempt(text, max_chars):
-    """An attempt as a prompt shows it: its last max_chars characters (the final answer's end)."""
+    """An attempt as a prompt shows it, its last max_chars characters, where the answer is."""
     text = text.strip()
     return text if len(text) <= max_chars else "..." + text[-max_chars:]
 
+# [our choice] E(x, S) is one user message. Its parts, separated by blank lines, are x, the HEADER,
+# the parents, the ruled-out answers and the INSTRUCTION, which repeats x so that the task's answer
+# format is read last. In the worked example one parent and the end of E(x, S) read
+#     Attempt:
+#     It is 35
+#     Verdict: The final answer 35 is incorrect.
+#     Ruled out: 35, 36.
+#     Try again, with an answer that is not ruled out. What is 9 + 20? Answer with just the number.
 def render_evolution_prompt(question, parents, ruled, max_attempt_chars):
-    """E(x, S), the user message: x, the parents with their verdicts, the ruled-out answers, x again
-    (its own answer format last). Nothing here reads the gold answer (the verdicts did)."""
+    """E(x, S) as text. Nothing here reads the gold answer; each f(y) was made earlier."""
     parts = [question] + (["", HEADER] if parents else [])  # the header only above attempts
     for attempt in parents:
         parts += ["", "Attempt:", shown_attempt(attempt.text, max_attempt_chars),
@@ -185,11 +203,14 @@ def render_evolution_prompt(question, parents, ruled, max_attempt_chars):
 def evolution_prompt(tokenizer, question, db, args):
     """(chat-template ids of E(x, S), the parents S)."""
     parents = select_parents(db, args.n_parents)  # S = select(D_x)
-    text = render_evolution_prompt(question, parents, ruled_out(db), args.max_attempt_chars)
+    ruled = ruled_out(db, args.max_ruled_out)
+    text = render_evolution_prompt(question, parents, ruled, args.max_attempt_chars)
     return encode_prompt(tokenizer, text, args.system_prompt, args.chat_template_kwargs), parents
 
+# [our choice] A small model often copies the prompt's LABELS ("Verdict: The final answer 9 ..."),
+# and a number in the copy would be scored as its answer, so the child ends where the copy begins.
 def drop_copied_scaffold(tokenizer, ids):
-    """(ids, text, cut): the child cut where it copies a prompt label (what follows: dropped)."""
+    """(ids, text, cut): the child up to the first label it copies, and whether it was cut."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
     copied = LABELS.search(text)
     if copied is None:
@@ -200,31 +221,35 @@ def drop_copied_scaffold(tokenizer, ids):
     return ids, text, True
 
 def evolve_round(sampler, tokenizer, problems, dbs, step, round_, args):
-    """Round r: --children attempts per problem from E(x, S), stored in dbs: (read, written)."""
+    """C children per problem from its E(x, S), stored in its D_x; returns tokens read, written."""
     built = [evolution_prompt(tokenizer, p["question"], db, args) for p, db in zip(problems, dbs)]
     prompts = [prompt for prompt, _ in built]  # E(x, S) of each problem, chat-template ids
     shown = [parents for _, parents in built]  # S of each problem: the attempts its prompt shows
     C = args.children
-    # round r: y ~ pi_theta(.|E(x, S)), C children per prompt in the prompts' order
+    # y ~ pi_theta(.|E(x, S)), C children per prompt in the prompts' order
     children = sampler.generate(prompts, C, args.max_new_tokens, args.temperature)  # problems x C
-    for k, child in enumerate(children):
-        j = k // C  # the problem this child answers
+    for row, child in enumerate(children):
+        j = row // C  # the problem this child answers
         ids, _, cut = drop_copied_scaffold(tokenizer, child["ids"])
         text = completion_text(tokenizer, prompts[j], ids)  # y, as the verifier reads it
         add_attempt(dbs[j], text, problems[j]["answer"], ids, child["truncated"] or cut,
                     prompts[j], step, round_, [attempt.id for attempt in shown[j]])
     return C * sum(map(len, prompts)), sum(len(child["ids"]) for child in children)
 
+# [our choice] A child y from pi_theta(.|E(x, S)) is trained as an answer to the bare prompt x, with
+# no weight pi_theta(y|x) / pi_theta(y|E(x, S)) (evolved_logp_gap_mean logs its log); at the default
+# --ppo-epochs 1 its ratio is 1 and the clip never acts. That is reward-weighted fine-tuning on an
+# off-policy answer, biased, but a gradient where the group had none.
 def join_evolved(samples, rewards, groups, dbs, since, group_size, max_evolved):
-    """Train: new (samples, rewards [P * G], rescues [(row, child)]): group groups[j]'s last samples
-    replaced by up to max_evolved right children of dbs[j][since[j]:] (row: BARE prompt + child)."""
+    """Up to max_evolved right children of this step (dbs[j][since[j]:]) replace the last samples
+    of group groups[j] (all wrong). Returns samples, rewards [P * G] and rescues [(row, child)]."""
     samples, rewards = list(samples), rewards.clone()  # copies: the arguments stay as they were
     rescues = []
-    for group, db, first in zip(groups, dbs, since):
-        right = [attempt for attempt in db[first:] if attempt.round > 0 and attempt.reward >= 1]
+    for group, db, start in zip(groups, dbs, since):
+        right = [attempt for attempt in db[start:] if attempt.round > 0 and attempt.reward >= 1]
         last_row = group * group_size + group_size - 1
         rescues += [(last_row - j, child) for j, child in enumerate(right[:max_evolved])]
-    for row, child in rescues:  # vLLM's log-probs were under E: the step skips its sync check
+    for row, child in rescues:  # vLLM's log-probs of the child were under E, not x, so none
         samples[row] = {"ids": child.ids, "truncated": child.truncated, "sampler_logprobs": None}
         rewards[row] = child.reward
     return samples, rewards, rescues
@@ -238,17 +263,23 @@ def sequence_logprobs(model, prompts, completions, args):
     return (logp.cpu() * mask).sum(dim=1)  # [B]
 
 def tree_line(problem, db, **extra):
-    """A problem's evolution tree as one JSON line (the attempts without their ids)."""
+    """A problem's evolution tree as one JSON line (the attempts without their ids and prompts)."""
     nodes = [{k: v for k, v in vars(a).items() if k not in ("ids", "prompt")} for a in db]
     return json.dumps({"question": problem["question"], "answer": problem["answer"], **extra,
                        "nodes": nodes}) + "\n"
 
 # ------------------------------------------------------------------------ the method: search
-# All arms are scored on the gold answer; evolve's prompts also use it (verdicts): an oracle.
+# [our choice] The search compares three arms on held-out problems. An arm, as in a clinical trial,
+# is one way of spending samples on them. After a round 0 that all three share (G samples of x per
+# problem), each round, for every problem the arm has not yet solved,
+#     evolve                   samples C children from E(x, S), whose prompts are long,
+#     independent              samples C more of x (the source's Pass@N),
+#     independent_same_tokens  samples x until its tokens read + written reach evolve's.
+# Evolve's feedback reads the gold answer, so its checker is an oracle that a real search lacks.
 @dataclasses.dataclass
 class Arm:
-    """One arm of the search, so far (cumulative over rounds)."""
-    solved: list  # [N] bools: some attempt of this arm at problem i was right
+    """One arm of the search and its counts so far, cumulative over rounds."""
+    solved: list  # one bool per problem: some attempt of this arm at it was right
     samples: int = 0  # the number of attempts sampled, all problems together
     tokens_read: int = 0  # prompt tokens read: each sample reads its prompt once
     tokens_written: int = 0  # completion tokens written
@@ -262,36 +293,36 @@ class Arm:
         self.tokens_written += tokens_written
 
 def sample_bare(sampler, tokenizer, problems, bare, arm, todo, n, args):
-    """n samples y ~ pi_theta(.|x) per problem in todo, scored, charged: (samples, texts)."""
+    """Draw n samples y ~ pi_theta(.|x) per problem in todo, score them, charge them to the arm."""
     prompts = [bare[i] for i in todo]
     samples = sampler.generate(prompts, n, args.max_new_tokens, args.temperature)  # [len(todo) * n]
-    texts = [completion_text(tokenizer, prompts[k // n], sample["ids"])
-             for k, sample in enumerate(samples)]
-    for k, text in enumerate(texts):
-        i = todo[k // n]  # the problem this sample answers
+    texts = [completion_text(tokenizer, prompts[row // n], sample["ids"])
+             for row, sample in enumerate(samples)]
+    for row, text in enumerate(texts):
+        i = todo[row // n]  # the problem this sample answers
         arm.solved[i] |= verifier.reward(text, problems[i]["answer"]) >= 1
     arm.charge(len(samples), n * sum(map(len, prompts)), sum(len(s["ids"]) for s in samples))
     return samples, texts
 
 def same_tokens_top_up(sampler, tokenizer, problems, bare, arm, target, args):
-    """Samples of x for the arm's unsolved problems until it has spent `target` (read + written,
-    evolution's spend); each pass buys what the tokens left buy at the arm's mean per sample."""
+    """Sample x for the arm's unsolved problems until it has spent `target` tokens (read + written);
+    each pass buys what the tokens left pay for at the arm's mean cost (the last may go past)."""
     while arm.spent() < target and arm.unsolved():
         todo = arm.unsolved()
         tokens_per_sample = arm.spent() / arm.samples  # this arm's mean so far (read + written)
         affordable = max(1, int((target - arm.spent()) / tokens_per_sample))  # samples, >= 1
-        if affordable < len(todo):  # fewer than one per problem: one each for that many, at random
+        if affordable < len(todo):  # too few for all, so one each for that many, at random
             todo = sorted(random.sample(todo, affordable))
         sample_bare(sampler, tokenizer, problems, bare, arm, todo, affordable // len(todo), args)
 
 def seed_arm(seed, arm_index, round_):
-    """Seed from (--seed, arm, round): one arm's draws never shift another's (HF generate only)."""
+    """Seed from (--seed, arm, round), so arms never shift each other's draws (HF generate only)."""
     derived = int(np.random.SeedSequence([seed, arm_index, round_]).generate_state(1)[0])
     random.seed(derived)
     torch.manual_seed(derived)  # CUDA's generators too
 
 def search(args):
-    """--mode search: the docstring's three arms round by round; summary.json and the trees."""
+    """--mode search: set up as Run does (plumbing helpers), then run the arms round by round."""
     check_args(args, "sampling_evolve")
     training = argparse.ArgumentParser()  # a training flag the user changed does nothing here
     add_training_args(training)
@@ -312,11 +343,11 @@ def search(args):
     start = time.time()
     dtype = getattr(torch, args.dtype)
     engine = create_vllm_engine(args.model, args, dtype) if args.backend == "vllm" else None
-    if engine:  # the engine holds the weights: only the tokenizer here
+    if engine:  # the engine holds the weights, so only the tokenizer is loaded here
         from transformers import AutoTokenizer
         model = None
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
-    else:  # nothing is trained: the weights may be held in the compute precision
+    else:  # nothing is trained, so the weights may be held in the compute precision
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model, tokenizer = load_model(args.model, dtype, device)
     check_chat_template(tokenizer, args)
@@ -326,26 +357,26 @@ def search(args):
     sampler = Sampler(args.backend, model, tokenizer, engine, dtype)
     bare = [encode_prompt(tokenizer, p["question"], args.system_prompt, args.chat_template_kwargs)
             for p in problems]
-    K, C = args.group_size, args.children
+    G, C = args.group_size, args.children
     dbs = [[] for _ in problems]  # D_x of each problem
     evolve = Arm(solved=[False] * len(problems))
-    # round 0: K samples y ~ pi_theta(.|x) per problem, shared by every arm: the trees' roots
-    first, texts = sample_bare(sampler, tokenizer, problems, bare, evolve, range(len(problems)),
-                               K, args)
-    for k, (sample, text) in enumerate(zip(first, texts)):
-        add_attempt(dbs[k // K], text, problems[k // K]["answer"], sample["ids"],
-                    sample["truncated"], bare[k // K], 0, 0, [])
+    # Round 0: G samples y ~ pi_theta(.|x) per problem, shared by every arm; the trees' roots.
+    roots, texts = sample_bare(sampler, tokenizer, problems, bare, evolve, range(len(problems)),
+                               G, args)
+    for row, (sample, text) in enumerate(zip(roots, texts)):
+        add_attempt(dbs[row // G], text, problems[row // G]["answer"], sample["ids"],
+                    sample["truncated"], bare[row // G], 0, 0, [])
     independent = dataclasses.replace(evolve, solved=list(evolve.solved))
     same_tokens = dataclasses.replace(evolve, solved=list(evolve.solved))
     arms = {"evolve": evolve, "independent": independent, "independent_same_tokens": same_tokens}
     table = []
     for round_ in tqdm(range(args.rounds + 1), desc="search", dynamic_ncols=True):
-        active = evolve.unsolved()
-        if round_ > 0 and active:  # evolve: C children from E(x, S) per problem not solved
+        unsolved = evolve.unsolved()
+        if round_ > 0 and unsolved:  # evolve: C children from E(x, S) per problem not solved
             seed_arm(args.seed, 0, round_)
-            read, written = evolve_round(sampler, tokenizer, [problems[i] for i in active],
-                                         [dbs[i] for i in active], 0, round_, args)
-            evolve.charge(C * len(active), read, written)
+            read, written = evolve_round(sampler, tokenizer, [problems[i] for i in unsolved],
+                                         [dbs[i] for i in unsolved], 0, round_, args)
+            evolve.charge(C * len(unsolved), read, written)
             evolve.solved = [solved(db) for db in dbs]
         if round_ > 0 and independent.unsolved():
             seed_arm(args.seed, 1, round_)
@@ -355,8 +386,10 @@ def search(args):
         same_tokens_top_up(sampler, tokenizer, problems, bare, same_tokens, evolve.spent(), args)
         by_arm = {name: {**vars(arm), "solved": float(np.mean(arm.solved))}  # solved: a share
                   for name, arm in arms.items()}
-        table.append({"round": round_, "samples_per_problem": K + C * round_, **by_arm})
-        print(f"round {round_} ({K + C * round_} samples per problem), solved: " + ", ".join(
+        # samples_per_problem is Pass@N's N, the most a problem has drawn in evolve and independent
+        # (a solved one stops); each arm's "samples" is what it really drew, all problems together.
+        table.append({"round": round_, "samples_per_problem": G + C * round_, **by_arm})
+        print(f"round {round_} (up to {G + C * round_} samples per problem), solved: " + ", ".join(
             f"{name} {stats['solved']:.3f}" for name, stats in by_arm.items()))  # tokens: summary
     with open(os.path.join(args.output_dir, "evolution_trees.jsonl"), "w") as f:
         f.writelines(tree_line(problem, db) for problem, db in zip(problems, dbs))
@@ -471,17 +504,19 @@ def train_step(model, optimizer, batch, args, ref_model=None):
     return stats
 
 # ------------------------------------------------------------------------ the loop
+# [our choice] Train mode is grpo.py's loop with the rescue as steps (2) to (4). To carry the rescue
+# into another GRPO trainer, copy them and the evolution section (Attempt to join_evolved).
 def main(argv=None):
     args = parse_args(argv)
     if args.mode == "search":
         return search(args)
     run = Run(args)  # Run (below): data, policy, sampler, optimizer, logs
     G = args.group_size
-    databases = run.state.setdefault("databases", {})  # question -> its D_x, across steps
+    databases = run.state.setdefault("databases", {})  # question -> D_x; resume.pt keeps it
     trees = open_log(os.path.join(args.output_dir, "evolution_trees.jsonl"),
-                     run.state["step"] if args.resume else None)
+                     run.state["step"] if args.resume else None)  # cut back to the resumed step
     for step, problems, prompts in run.steps():
-        # (1) y_1..y_G ~ pi_theta(.|x) for each prompt, scored: as grpo.py
+        # (1) y_1..y_G ~ pi_theta(.|x) for each prompt x, scored, as in grpo.py
         samples = run.sampler.generate(prompts, G, args.max_new_tokens, args.temperature)  # P * G
         texts = [completion_text(run.tokenizer, prompts[i // G], sample["ids"])
                  for i, sample in enumerate(samples)]  # as the verifier reads them
@@ -490,36 +525,36 @@ def main(argv=None):
         lengths = [len(s["ids"]) for s in samples]  # pi_theta(.|x)'s own samples, before rescues
         own = {"reward_mean": rewards.mean().item(), "completion_len_mean": float(np.mean(lengths)),
                "truncated_frac": float(np.mean([s["truncated"] for s in samples]))}
-        # (2) each all-wrong group is evolved: its G samples are this visit's round 0 of D_x
+        # (2) An all-wrong group is evolved (a visit to D_x); its G samples are the visit's round 0
         all_wrong = [p for p in range(len(problems)) if rewards[p * G: (p + 1) * G].max() == 0]
         dbs = [databases.setdefault(problems[p]["question"], []) for p in all_wrong]
         since = [len(db) for db in dbs]  # where this visit's attempts start in each D_x
         for p, db in zip(all_wrong, dbs):
-            for k in range(p * G, (p + 1) * G):
-                add_attempt(db, texts[k], golds[k], samples[k]["ids"], samples[k]["truncated"],
-                            prompts[p], step, 0, [])
-        # (3) rounds r = 1..R for the evolved groups still without a right attempt
+            for row in range(p * G, (p + 1) * G):
+                add_attempt(db, texts[row], golds[row], samples[row]["ids"],
+                            samples[row]["truncated"], prompts[p], step, 0, [])
+        # (3) Rounds 1..--rounds for the evolved groups that still have no right attempt
         evolve_read = evolve_written = 0  # tokens
         for round_ in range(1, args.rounds + 1):
-            active = [j for j, db in enumerate(dbs) if not solved(db, since[j])]
-            if not active:
+            unsolved = [j for j, db in enumerate(dbs) if not solved(db, since[j])]
+            if not unsolved:
                 break
             read, written = evolve_round(run.sampler, run.tokenizer,
-                                         [problems[all_wrong[j]] for j in active],
-                                         [dbs[j] for j in active], step, round_, args)
+                                         [problems[all_wrong[j]] for j in unsolved],
+                                         [dbs[j] for j in unsolved], step, round_, args)
             evolve_read += read
             evolve_written += written
-        # (4) right children replace wrong samples, as answers to the bare prompt x
+        # (4) Right children replace wrong samples, as answers to the bare prompt x
         samples, rewards, rescues = join_evolved(samples, rewards, all_wrong, dbs, since, G,
                                                  args.max_evolved)  # rescues: [(row, child)]
         off_policy = {}
-        if rescues:  # how far off-policy a rescued row is for the bare prompt, before the update
+        if rescues:  # how far off-policy the rescued rows are for x, before the update
             ids = [child.ids for _, child in rescues]
             bare = [prompts[row // G] for row, _ in rescues]
             on_x = sequence_logprobs(run.model, bare, ids, args)  # log pi_theta(y|x), per rescue
             on_e = sequence_logprobs(run.model, [c.prompt for _, c in rescues], ids, args)  # y|E
             off_policy["evolved_logp_gap_mean"] = (on_x - on_e).mean().item()  # log pi(y|x)/pi(y|E)
-        # (5) GRPO on every group: A_i = (r_i - mean(r)) / (std(r) + 1e-4), after the rescues
+        # (5) GRPO on every group, rescued rows included: A_i = (r_i - mean(r)) / (std(r) + 1e-4)
         advantages = group_advantages(rewards, G, args.scale_rewards)  # [P * G]
         zero_std = rewards.view(-1, G).std(dim=1) == 0  # [groups]: all rewards equal
         rows = [i for i in range(len(samples)) if not (args.filter_groups and zero_std[i // G])]
@@ -530,7 +565,7 @@ def main(argv=None):
         record = {**own, "frac_zero_std": zero_std.float().mean().item(),
                   "all_wrong_frac": len(all_wrong) / len(problems), **stats, **off_policy,
                   "reward_mean_after_rescue": rewards.mean().item()}
-        for p, db in zip(all_wrong, dbs):  # the tree; then D_x keeps no ids (later steps read it)
+        for p, db in zip(all_wrong, dbs):  # log the tree; D_x keeps no token ids after the step
             trees.write(tree_line(problems[p], db, step=step))
             for attempt in db:
                 attempt.ids = attempt.prompt = None

@@ -81,7 +81,7 @@ VARIANTS = {
     "script": {},
     "old": {"evolution_prompt": old_prompt, "drop_copied_scaffold": keep_all},
     "chat": {"evolution_prompt": chat_prompt},
-    "no-ruled-out": {"ruled_out": lambda db: []},
+    "no-ruled-out": {"ruled_out": lambda db, limit=None: []},
     "latest-parents": {"select_parents": latest_parents},
     "no-parents": {"flags": ["--n-parents", "0"]},
 }

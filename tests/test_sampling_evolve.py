@@ -58,6 +58,21 @@ def test_ruled_out_is_every_distinct_wrong_answer_and_nothing_else():
         assert verifier.reward(answer, "99") == 0
 
 
+def test_ruled_out_list_is_capped_at_the_answers_tried_last(tiny_model_dir):
+    """Issue 39: D_x grows at every visit in training, and the ruled-out list with it. The list keeps
+    the --max-ruled-out answers whose latest attempt is newest, in the order first tried; below the
+    cap it is the whole list, so a run that never reaches it (the default runs) samples the same."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    db = make_db([(str(n), 0) for n in range(30)] + [("3", 1), ("no idea", 1), ("99", 1)])
+    assert se.ruled_out(db) == [str(n) for n in range(30)] == se.ruled_out(db, 30)
+    assert se.ruled_out(db, 5) == ["3", "26", "27", "28", "29"]  # 3 was tried again last
+    assert se.parse_args([]).max_ruled_out == 20
+    args = se.parse_args(["--max-ruled-out", "5", "--n-parents", "0"])
+    ids, _ = se.evolution_prompt(tokenizer, "What is 9 + 90?", db, args)
+    assert "Ruled out: 3, 26, 27, 28, 29." in tokenizer.decode(ids)
+
+
 def test_render_prompt_keeps_the_task_format_last():
     question = "What is 20 + 23? Answer with just the number."
     long_attempt = "x" * 500 + " so the answer is 42"
@@ -424,6 +439,7 @@ def test_databases_kept_across_steps_and_through_resume(tiny_model_dir, tmp_path
     (["--children", "0"], "argument --children: must be at least 1"),
     (["--n-parents", "-1"], "argument --n-parents: must be at least 0"),
     (["--max-attempt-chars", "0"], "argument --max-attempt-chars: must be at least 1"),
+    (["--max-ruled-out", "0"], "argument --max-ruled-out: must be at least 1"),
     (["--max-evolved", "8"], "--max-evolved 8 must be below --group-size 8"),
     (["--mode", "other"], "argument --mode: invalid choice"),
 ])
