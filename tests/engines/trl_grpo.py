@@ -1,9 +1,10 @@
 """GRPO (grpo.py) on TRL 1.16's GRPOTrainer: grpo.py's flags turned into a GRPOConfig, nothing else.
 
-GRPO needs no code inside TRL: TRL's GRPOTrainer samples, rewards, normalises each group and runs the
-clipped token loss itself. What has to be right is the mapping of our flags to its settings, and this
-file is that mapping as code (grpo_config), with a main() that trains on the built-in task or a JSONL
-file. The mapping (tests/test_engines.py checks the loss rows on one fixed batch, within 1e-6):
+GRPO needs no code inside TRL: TRL's GRPOTrainer samples, rewards, normalises each group and runs
+the clipped token loss itself. What has to be right is the mapping of our flags to its settings, and
+this file is that mapping as code (grpo_config), with a main() that trains on the built-in task or a
+JSONL file. The mapping (tests/test_engines.py checks the loss rows on one fixed batch, within
+1e-6):
 
     --loss-agg token-mean     loss_type="dapo"      sum over the batch's tokens / their number
     --loss-agg seq-mean       loss_type="grpo"      mean over each sequence, then over sequences
@@ -20,8 +21,8 @@ file. The mapping (tests/test_engines.py checks the loss rows on one fixed batch
                               weight_decay=0 (TRL's defaults: linear decay, as the Trainer's)
     --backend vllm            use_vllm=True, vllm_mode="colocate"
 
-TRL has no --filter-groups (it keeps all-equal groups at A = 0) and no --token-budget: main() refuses
-them. The held-out evaluation is grpo.py's own (grpo.evaluate on the final model).
+TRL has no --filter-groups (it keeps all-equal groups at A = 0) and no --token-budget: main()
+refuses them. The held-out evaluation is grpo.py's own (grpo.evaluate on the final model).
 
 Run (CPU, a quick look):  python tests/engines/trl_grpo.py --steps 2 --prompts-per-step 2 --group-size 4
 Run at scale:             accelerate launch --num_processes 8 tests/engines/trl_grpo.py \\

@@ -1,17 +1,18 @@
 """Pass@k Training (passk.py) on TRL 1.16: a GRPOTrainer whose advantage is passk.py's.
 
 Only the advantage changes between GRPO and Pass@k Training. TRL computes GRPO's advantage inside
-`_generate_and_score_completions`, from the rewards of every process (gathered, so that a group whose
-completions sit on two processes is normalised as one), and keeps this process's slice. The subclass
-below lets TRL do all of that, then replaces the slice with passk.py's `passk_training_advantages` of
-the same gathered rewards. Everything else (sampling, the clipped loss, the optimizer, many processes
-through accelerate) is TRL's, with the settings of trl_grpo.py.
+`_generate_and_score_completions`, from the rewards of every process (gathered, so that a group
+whose completions sit on two processes is normalised as one), and keeps this process's slice. The
+subclass below lets TRL do all of that, then replaces the slice with passk.py's
+`passk_training_advantages` of the same gathered rewards. Everything else (sampling, the clipped
+loss, the optimizer, many processes through accelerate) is TRL's, with the settings of trl_grpo.py.
 
 Two things are needed that passk.py's one process does not: the gathered rewards, which TRL computes
-in `_calculate_rewards` and does not keep (the subclass keeps them), and the same random k-subsets on
-every process for --passk-mode bootstrap, which draws from torch's generator: TRL seeds each process
-differently, so the draw runs in a forked generator seeded by (--seed, step), the same everywhere.
---mix adaptive needs each problem's mean token entropy: passk.problem_entropy on TRL's batch (below).
+in `_calculate_rewards` and does not keep (the subclass keeps them), and the same random k-subsets
+on every process for --passk-mode bootstrap, which draws from torch's generator: TRL seeds each
+process differently, so the draw runs in a forked generator seeded by (--seed, step), the same
+everywhere. --mix adaptive needs each problem's mean token entropy: passk.problem_entropy on TRL's
+batch (below).
 
 --check-updates FILE (diagnostics): each process appends, per optimizer step, the rows it trained
 (reward, the advantage TRL's loss used, the prompt) and how the update moved the log-probs of the

@@ -1,12 +1,12 @@
 """SamplingEvolve, train mode (sampling_evolve.py), on TRL 1.16: a rollout_func that rescues all-wrong groups.
 
-sampling_evolve.py's training is GRPO in which a group with no right sample is evolved: its samples go
-into the problem's database D_x, rounds of children are sampled from prompts E(x, S) that show earlier
-wrong attempts with their verdicts, and up to --max-evolved right children replace the group's last
-samples, trained as answers to the BARE prompt x. TRL's `rollout_func` sees each prompt's G rows at
-once, so the whole rescue fits in it: it samples the groups, scores them, evolves the all-wrong ones
-with sampling_evolve.py's own functions (add_attempt, solved, evolve_round, join_evolved, imported as
-they are) and returns
+sampling_evolve.py's training is GRPO in which a group with no right sample is evolved: its samples
+go into the problem's database D_x, rounds of children are sampled from prompts E(x, S) that show
+earlier wrong attempts with their verdicts, and up to --max-evolved right children replace the
+group's last samples, trained as answers to the BARE prompt x. TRL's `rollout_func` sees each
+prompt's G rows at once, so the whole rescue fits in it: it samples the groups, scores them, evolves
+the all-wrong ones with sampling_evolve.py's own functions (add_attempt, solved, evolve_round,
+join_evolved, imported as they are) and returns
 
     prompt_ids      x, for every row (a rescued child too: it is trained as an answer to x)
     completion_ids  the sample, or the rescued child in its place

@@ -1,8 +1,8 @@
 """W2SPO (w2spo.py) on TRL 1.16: a rollout_func that builds the branches, TRL's loss on branch tokens only.
 
-W2SPO changes what a group is: per prompt x one prefix rollout of the target, a branch point b inside
-it, then G branches from the state s = x + prefix (B_t of the target, B_a of a frozen auxiliary
-model), each continued by the target and rewarded; only the branch tokens are trained, the
+W2SPO changes what a group is: per prompt x one prefix rollout of the target, a branch point b
+inside it, then G branches from the state s = x + prefix (B_t of the target, B_a of a frozen
+auxiliary model), each continued by the target and rewarded; only the branch tokens are trained, the
 auxiliary's weighed by min(pi_old / pi_aux, C). TRL can carry all of that through a `rollout_func`
 (GRPOTrainer's argument), which returns for every row:
 
@@ -15,10 +15,11 @@ auxiliary's weighed by min(pi_old / pi_aux, C). TRL can carry all of that throug
     w2spo_reward    r_i, read back by the reward function (TRL forwards extra fields to it)
 
 The branches come from w2spo.py's own `sample_groups` (steps 1-5) and `score_aux_branches` (pi_aux),
-imported as they are. The per-token weight is TRL's importance-sampling correction, set as the README
-maps --aux-is: truncated -> vllm_importance_sampling_mode="token_truncate", branch -> "sequence_truncate"
-(the product over the row's env_mask tokens), both with vllm_importance_sampling_clip_max=C (--is-cap);
-none -> no correction. tests/test_engines.py checks that TRL's weights equal w2spo.importance_weights.
+imported as they are. The per-token weight is TRL's importance-sampling correction, set as the
+README maps --aux-is: truncated -> vllm_importance_sampling_mode="token_truncate", branch ->
+"sequence_truncate" (the product over the row's env_mask tokens), both with
+vllm_importance_sampling_clip_max=C (--is-cap); none -> no correction. tests/test_engines.py checks
+that TRL's weights equal w2spo.importance_weights.
 
 What TRL cannot express (each refused here with a one-line error, and shown in tests/test_engines.py):
   * --aux-is clip (the ratio taken against pi_aux on auxiliary tokens only): TRL's pi_old is always its

@@ -1,10 +1,11 @@
 """GRPO (grpo.py) on verl 0.9.1: grpo.py's flags turned into verl's Hydra overrides, nothing else.
 
-verl's built-in GRPO (`algorithm.adv_estimator=grpo`) samples, rewards, normalises each group and runs
-the clipped token loss; what has to be right is the mapping of our flags to its settings. This file
-is that mapping as code: hydra_overrides() (for `python -m verl.trainer.main_ppo`) and actor_config()
-(the actor's part of it as verl's own ActorConfig, which tests/test_engines.py feeds to verl's actor
-loss, `verl.workers.utils.losses.ppo_loss`: compute_policy_loss_vanilla, kl_penalty and agg_loss).
+verl's built-in GRPO (`algorithm.adv_estimator=grpo`) samples, rewards, normalises each group and
+runs the clipped token loss; what has to be right is the mapping of our flags to its settings. This
+file is that mapping as code: hydra_overrides() (for `python -m verl.trainer.main_ppo`) and
+actor_config() (the actor's part of it as verl's own ActorConfig, which tests/test_engines.py feeds
+to verl's actor loss, `verl.workers.utils.losses.ppo_loss`: compute_policy_loss_vanilla, kl_penalty
+and agg_loss).
 
     --loss-agg token-mean     actor.loss_agg_mode=token-mean
     --loss-agg seq-mean       actor.loss_agg_mode=seq-mean-token-mean
@@ -18,7 +19,8 @@ Where verl differs by design (each tested as exactly this): its group std divide
 correction) with 1e-6 added (ours: G, 1e-4); low_var_kl clamps each token's k3 to [-10, 10]; its
 "dual clip" (actor.clip_ratio_c, default 3) bounds a token's loss at 3 |A| where A < 0 (ratios above
 3); its AdamW weight decay is 0.01 (ours 0: set here). verl refills a batch that --filter-groups
-emptied (`algorithm.filter_groups`), ours does not: refused here. (actor. = actor_rollout_ref.actor.)
+emptied (`algorithm.filter_groups`), ours does not: refused here. (actor. =
+actor_rollout_ref.actor.)
 
 Run: python tests/engines/verl_grpo.py --group-size 16 --lr 1e-6     # prints the overrides
 At scale (verl's own launcher, its model and data flags added):

@@ -2,19 +2,21 @@
 
 Only the advantage changes between GRPO and Pass@k Training, and verl looks advantages up by name:
 `@register_adv_est(NAME)` (verl.trainer.ppo.core_algos) adds a function to the table that verl's own
-`compute_advantage` (verl.trainer.ppo.ray_trainer) dispatches to when `algorithm.adv_estimator=NAME`.
-The function registered below calls passk.py's `passk_training_advantages` as it is; everything else
-(clipped loss, aggregation, KL, batches) is verl's GRPO machinery with the settings of verl_grpo.py.
+`compute_advantage` (verl.trainer.ppo.ray_trainer) dispatches to when
+`algorithm.adv_estimator=NAME`. The function registered below calls passk.py's
+`passk_training_advantages` as it is; everything else (clipped loss, aggregation, KL, batches) is
+verl's GRPO machinery with the settings of verl_grpo.py.
 
 verl hands an estimator the batch's token-level rewards [B, T], the response mask [B, T], each row's
-`uid` (rows of one prompt share it; verl keeps them together, the function below does not rely on it)
-and the `algorithm` config. passk.py wants rewards [P * G] with each group's G rows consecutive, so
-the rows are gathered by uid (first seen, first), given passk.py's advantage, and put back. The
-settings ride in the algorithm config as new keys (Hydra's "+"): passk_k, passk_mode (analytic, full,
-bootstrap), passk_bootstrap_average, passk_mix (none, combination); --scale-rewards (A_1 of --mix)
-is algorithm.norm_adv_by_std_in_grpo. --mix adaptive cannot be carried: it needs each problem's mean
-token entropy under the policy, and verl gives an estimator rewards, masks, uids and the config only.
-verl's own `grpo_passk` is another method (arXiv 2503.19595: only each group's best response).
+`uid` (rows of one prompt share it; verl keeps them together, the function below does not rely on
+it) and the `algorithm` config. passk.py wants rewards [P * G] with each group's G rows consecutive,
+so the rows are gathered by uid (first seen, first), given passk.py's advantage, and put back. The
+settings ride in the algorithm config as new keys (Hydra's "+"): passk_k, passk_mode (analytic,
+full, bootstrap), passk_bootstrap_average, passk_mix (none, combination); --scale-rewards (A_1 of
+--mix) is algorithm.norm_adv_by_std_in_grpo. --mix adaptive cannot be carried: it needs each
+problem's mean token entropy under the policy, and verl gives an estimator rewards, masks, uids and
+the config only. verl's own `grpo_passk` is another method (arXiv 2503.19595: only each group's best
+response).
 
 Run: python tests/engines/verl_passk.py --k 4 --group-size 8          # prints the overrides
 At scale: verl imports this file in its driver through VERL_USE_EXTERNAL_MODULES (read at `import
