@@ -538,7 +538,7 @@ def test_w2spo_on_trl_weights_and_mask_equal_ours(tiny, tiny_aux, tmp_path, aux_
     index = range(len(batch["advantages"]))
     states = [batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist() for i in index]
     ids = [batch["completion_ids"][i][branch[i]].tolist() for i in index]
-    ids_t, attention, mask = grpo.build_batch(states, ids, tokenizer_pad(tiny))
+    ids_t, attention, mask = grpo.build_batch(states, ids, tiny[1].pad_token_id)
     model.zero_grad()
     logp = w2spo.token_logprobs(model, ids_t, attention, mask.shape[1], args.temperature, 8)[0]
     aux = torch.nan_to_num(batch["sampling_per_token_logps"][:, : mask.shape[1]]) * mask
@@ -552,10 +552,6 @@ def test_w2spo_on_trl_weights_and_mask_equal_ours(tiny, tiny_aux, tmp_path, aux_
     assert abs(ours.item() - theirs.item()) < 1e-6
     assert max_gap(grads(model), theirs_grads) < 1e-6
     model.zero_grad()
-
-
-def tokenizer_pad(tiny):
-    return tiny[1].pad_token_id
 
 
 def test_w2spo_on_trl_cannot_carry_clip_or_weighted_kl(tiny, tiny_aux, tmp_path):
@@ -580,7 +576,7 @@ def test_w2spo_on_trl_cannot_carry_clip_or_weighted_kl(tiny, tiny_aux, tmp_path)
         logp = batch["old_per_token_logps"]  # TRL's forward at these weights: rho = 1
         log_ratio = torch.where(is_aux, logp - torch.nan_to_num(sampled), 0.0)
         w = w2spo.importance_weights(log_ratio, is_aux, "truncated", args.is_cap)
-        v = w2spo.importance_weights(log_ratio, is_aux, "truncated", args.is_cap)  # w2spo.py's v
+XX
         A = batch["advantages"]
 
         def ours(old, kl_weights):

@@ -73,9 +73,7 @@ class PassKTrainer(GRPOTrainer):
 
     def _problem_entropy(self, output):
         """--mix adaptive: passk.problem_entropy needs every problem's G rows on this process."""
-        G = self.passk_args.group_size
-        if self.accelerator.num_processes > 1:
-            passk.die("--mix adaptive: run it on one process (each problem's G rows in one place)")
+        G = self.passk_args.group_size  # one process (main checks): every problem's G rows here
         prompts = [row[mask.bool()].tolist() for row, mask in
                    zip(output["prompt_ids"][::G], output["prompt_mask"][::G])]
         samples = [{"ids": row[mask.bool()].tolist()} for row, mask in
@@ -125,6 +123,8 @@ def main(argv=None):
     known, rest = extra.parse_known_args(argv)
     args = passk.parse_args(rest)
     trl_grpo.refuse_unmapped(args, passk.parse_args([]))
+    if args.mix == "adaptive" and trl_grpo.num_processes() > 1:
+        passk.die("--mix adaptive: run it on one process (each problem's G rows in one place)")
     passk.check_args(args, "trl_passk")
     model, tokenizer = trl_grpo.load_policy(args)
     trainer = PassKTrainer(model=model, processing_class=tokenizer,

@@ -109,13 +109,13 @@ def build_trainer(args, trainer_class=GRPOTrainer):
     if args.mode != "train":
         se.die("--mode search is inference only: run sampling_evolve.py against vLLM servers")
     trl_grpo.refuse_unmapped(args, se.parse_args([]))
+    config = trl_grpo.grpo_config(args, args.output_dir, trl_grpo.num_processes())  # before models
     model, tokenizer = trl_grpo.load_policy(args)
     dataset = trl_grpo.training_dataset(args)
     rollout = EvolveRollout(args, tokenizer,
                             {row["prompt"][-1]["content"]: row["answer"] for row in dataset})
     trainer = trainer_class(model=model, processing_class=tokenizer, reward_funcs=evolve_reward,
-                            train_dataset=dataset, rollout_func=rollout,
-                            args=trl_grpo.grpo_config(args, args.output_dir, trl_grpo.num_processes()))
+                            train_dataset=dataset, rollout_func=rollout, args=config)
     return trainer, rollout
 
 

@@ -155,6 +155,7 @@ def branch_reward(completions, w2spo_reward, **_):
 def build_trainer(args, trainer_class=W2SPOTrainer):
     """The trainer and its rollout for w2spo.py's flags `args` (w2spo.parse_args)."""
     trl_grpo.refuse_unmapped(args, w2spo.parse_args([]))
+    config = w2spo_config(args, args.output_dir, trl_grpo.num_processes())  # flags before models
     aux_model = w2spo.load_aux(args)  # frozen; another vocabulary is a one-line error
     model, tokenizer = trl_grpo.load_policy(args)
     aux_model.to(model.device, getattr(torch, args.dtype))
@@ -162,8 +163,7 @@ def build_trainer(args, trainer_class=W2SPOTrainer):
     rollout = BranchRollout(args, tokenizer, aux_model,
                             {row["prompt"][-1]["content"]: row["answer"] for row in dataset})
     trainer = trainer_class(model=model, processing_class=tokenizer, reward_funcs=branch_reward,
-                            train_dataset=dataset, rollout_func=rollout,
-                            args=w2spo_config(args, args.output_dir, trl_grpo.num_processes()))
+                            train_dataset=dataset, rollout_func=rollout, args=config)
     return trainer, rollout
 
 
