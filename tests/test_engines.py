@@ -576,7 +576,7 @@ def test_w2spo_on_trl_cannot_carry_clip_or_weighted_kl(tiny, tiny_aux, tmp_path)
         logp = batch["old_per_token_logps"]  # TRL's forward at these weights: rho = 1
         log_ratio = torch.where(is_aux, logp - torch.nan_to_num(sampled), 0.0)
         w = w2spo.importance_weights(log_ratio, is_aux, "truncated", args.is_cap)
-XX
+        v = w  # w2spo.py's k3 weight v = min(pi_old / pi_aux, C): w's value under truncated
         A = batch["advantages"]
 
         def ours(old, kl_weights):
