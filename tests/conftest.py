@@ -15,12 +15,15 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "3")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread a worker (and its subprocesses): two workers
     os.environ["OMP_NUM_THREADS"] = "1"     # on two cores, not four threads fighting for them
 
-# The real-model learning runs are most of the suite's time: they go first, the longest with the
-# shortest to one worker, the other two to the other, then compare.py; the rest as a worker is free.
+# The real-model runs are most of the suite's time: they go first, the longest with the shortest to
+# one worker, the other two to the other, then the engines' runs (TRL: two processes for Pass@k, the
+# rescue of SamplingEvolve) and compare.py; the rest as a worker is free.
 LONG = ["test_learning.py::test_w2spo_trains_the_branches_of_both_models",
         "test_learning.py::test_an_update_pushes_better_completions_up_and_worse_down[grpo]",
         "test_learning.py::test_sampling_evolve_evolves_the_all_wrong_groups",
         "test_learning.py::test_an_update_pushes_better_completions_up_and_worse_down[passk]",
+        "test_engines.py::test_sampling_evolve_on_trl_rescues_a_group",
+        "test_engines.py::test_passk_on_trl_two_processes",
         "test_compare.py::test_compare_quick_end_to_end"]
 
 
