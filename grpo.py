@@ -591,6 +591,7 @@ class Sampler:
                                  num_return_sequences=n)
         ids, mask = pad(prompts, self.tokenizer.pad_token_id, left=True)  # [P, L]
         checkpoint, self.model.generation_config = self.model.generation_config, config
+        training = self.model.training  # restored below: a trainer around us may rely on it
         self.model.eval()
         try:
             with torch.no_grad(), autocast(self.model.device.type, self.compute_dtype):
@@ -599,6 +600,7 @@ class Sampler:
                                           generation_config=config, **options)  # [P * n, L + T]
         finally:
             self.model.generation_config = checkpoint
+            self.model.train(training)
         samples = []
         for row in out[:, ids.shape[1]:].tolist():
             completion, truncated = cut_at_eos(row, self.stop_ids)

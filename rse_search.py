@@ -66,6 +66,9 @@ from tqdm import tqdm
 
 import verifier
 
+# What to lower when memory runs out, in the one-line error of run_cli (in the plumbing).
+MEMORY_FLAGS = "--samples-per-round, --max-new-tokens or --distill-max-new-tokens"
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],  # see the docstring

@@ -84,6 +84,9 @@ from tqdm import tqdm
 
 import verifier
 
+# What to lower when memory runs out, in the one-line error of run_cli (in the plumbing).
+MEMORY_FLAGS = "--micro-batch, --group-size, --children or --max-new-tokens"
+
 # The shared flags (add_*_args) and the one-line errors (bounded, die) come from the plumbing below.
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # see the docstring

@@ -94,6 +94,9 @@ from tqdm import tqdm
 
 import verifier
 
+# What to lower when memory runs out, in the one-line error of run_cli (in the plumbing).
+MEMORY_FLAGS = "--micro-batch, --group-size, --branch-len or --max-new-tokens"
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # see the docstring
     add_common_args(parser)
