@@ -821,7 +821,7 @@ def build_batch(prompts, completions, pad_id):
     return (torch.cat([prompt_ids, completion_ids], dim=1),
             torch.cat([prompt_mask, completion_mask], dim=1), completion_mask)
 
-LOGIT_CHUNK = 1024  # tokens whose logits exist at once, fp32: 0.6 GB at V = 152,064 [our choice]
+LOGIT_CHUNK = 512  # tokens whose logits exist at once, fp32: 0.3 GB at V = 152,064 [our choice]
 
 def token_logprobs(model, ids, attention_mask, num_completion_tokens, temperature, micro_batch,
                    with_entropy=False, compute_dtype=torch.float32):
@@ -840,7 +840,7 @@ def token_logprobs(model, ids, attention_mask, num_completion_tokens, temperatur
 def hidden_logprobs(model, hidden, targets, temperature, with_entropy, compute_dtype):
     """token_logprobs from the states [B, T, d] that predict targets [B, T]: the head (the output
     embedding alone: no soft-cap or logit scale after it) and a selective log-softmax, LOGIT_CHUNK
-    tokens at a time, rerun in the backward pass (checkpoint): it keeps no logits [B, T, V]."""
+    tokens at a time, rerun in the backward pass (checkpoint), which keeps no logits [B, T, V]."""
     def chunk(states, tokens):  # [B, c, d], [B, c] -> log-probs [B, c], entropies [B, c] or None
         with autocast(model.device.type, compute_dtype):  # per chunk: weight gradients add in fp32
             scaled = model.get_output_embeddings()(states).float() / temperature  # z/T [B, c, V]
