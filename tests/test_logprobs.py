@@ -42,12 +42,13 @@ def tiny(kind, vocab=103, seed=0):
               "gpt2": lambda: tf.GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=2,
                                             n_positions=256, bos_token_id=1, eos_token_id=2),
               # a sliding window (4) shorter than the rows: Gemma 3's mix of local and global layers
-              "gemma3": lambda: tf.Gemma3TextConfig(**shared, sliding_window=4,
-                                                    layer_types=["sliding_attention", "full_attention"]),
+              "gemma3": lambda: tf.Gemma3TextConfig(
+                  **shared, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
               # a convolution layer in its cache (not plain keys and values)
-              "lfm2": lambda: tf.Lfm2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                                            num_hidden_layers=2, num_attention_heads=2,
-                                            num_key_value_heads=1, layer_types=["conv", "full_attention"]),
+              "lfm2": lambda: tf.Lfm2Config(
+                  vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1,
+                  layer_types=["conv", "full_attention"]),
               }[kind]()
     return tf.AutoModelForCausalLM.from_config(config).float().eval()  # GPT-2 has dropout
 
@@ -79,7 +80,8 @@ def compare(model, batch, dtype, micro_batch, skip=()):
     """The largest differences (log-prob, entropy, relative gradient) between the chunks and the
     reference, gradients of the weights named in skip left out."""
     logp, entropy, grads = run(grpo.token_logprobs, model, batch, dtype, micro_batch)
-    ref_logp, ref_entropy, ref_grads = run(reference_token_logprobs, model, batch, dtype, micro_batch)
+    ref_logp, ref_entropy, ref_grads = run(reference_token_logprobs, model, batch, dtype,
+                                           micro_batch)
     assert grads.keys() == ref_grads.keys()
     return ((logp - ref_logp).abs().max().item(), (entropy - ref_entropy).abs().max().item(),
             max(relative(grads[n], ref_grads[n]) for n in grads if n not in skip))
@@ -157,7 +159,7 @@ def saved_bytes_per_token(fn, model, vocab, dtype):
 
         def pack(tensor):
             storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-            return tensor
+            return tensor.detach()  # the tensor itself: a reference cycle, never freed
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             logp, _ = fn(model, ids, attention, mask.shape[1], 1.0, 2, False, dtype)
         kept.append(sum(storages.values()))
