@@ -625,28 +625,37 @@ def build_batch(prompts, completions, pad_id):
     return (torch.cat([prompt_ids, completion_ids], dim=1),
             torch.cat([prompt_mask, completion_mask], dim=1), completion_mask)
 
+LOGIT_CHUNK = 512  # tokens whose logits exist at once, fp32: 0.3 GB at V = 152,064 [our choice]
+
 def token_logprobs(model, ids, attention_mask, num_completion_tokens, temperature, micro_batch,
                    with_entropy=False, compute_dtype=torch.float32):
-    """log pi(y_t | x, y_<t) of each row's last T = num_completion_tokens tokens [B, T] (fp32),
-    and the entropy of each token's distribution [B, T] (no grad) when asked, else None.
-    Selective log-softmax: logits sliced to the completion, log-prob = logit - logsumexp per row in
-    fp32. bf16 compute (autocast) keeps fp32 weights: bf16 ones would round small updates away."""
-    T = num_completion_tokens
-    logprobs, entropies = [], []  # per row: [T] each
+    """log pi(y_t | x, y_<t) of each row's last T = num_completion_tokens tokens [B, T] (fp32), and
+    the entropies [B, T] (no grad) when asked, else None. Weights stay fp32 under bf16 autocast."""
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding shifts nothing
-    for start in range(0, ids.shape[0], micro_batch):
-        rows = slice(start, start + micro_batch)
-        with autocast(model.device.type, compute_dtype):  # [b, T, V]: t predicts token t + 1
-            logits = model(input_ids=ids[rows], attention_mask=attention_mask[rows],
-                           position_ids=position_ids[rows], logits_to_keep=T + 1).logits[:, :-1]
-        for row_logits, targets in zip(logits, ids[rows, -T:]):
-            scaled = row_logits.float() / temperature  # [T, V]
-            log_norm = torch.logsumexp(scaled, dim=-1)  # [T]
-            logprobs.append(scaled.gather(-1, targets[:, None]).squeeze(-1) - log_norm)  # [T]
-            if with_entropy:
-                with torch.no_grad():
-                    entropies.append(log_norm - (torch.softmax(scaled, -1) * scaled).sum(-1))
-    return torch.stack(logprobs), torch.stack(entropies) if with_entropy else None  # [B, T]
+    hidden = []  # per micro-batch: the last layer's states [b, T, d]; state t predicts token t + 1
+    for rows in torch.arange(len(ids)).split(micro_batch):  # the rows of each micro-batch
+        with autocast(model.device.type, compute_dtype):  # [b, L, d]: no logits yet
+            states = model.base_model(input_ids=ids[rows], attention_mask=attention_mask[rows],
+                                      position_ids=position_ids[rows]).last_hidden_state
+        hidden.append(states[:, -num_completion_tokens - 1:-1])
+    return hidden_logprobs(model, torch.cat(hidden), ids[:, -num_completion_tokens:], temperature,
+                           with_entropy, compute_dtype)
+
+def hidden_logprobs(model, hidden, targets, temperature, with_entropy, compute_dtype):
+    """token_logprobs from the states [B, T, d] that predict targets [B, T]: the head (the output
+    embedding alone: no soft-cap or logit scale after it) and a selective log-softmax, LOGIT_CHUNK
+    tokens at a time, rerun in the backward pass (checkpoint), which keeps no logits [B, T, V]."""
+    def chunk(states, tokens):  # [B, c, d], [B, c] -> log-probs [B, c], entropies [B, c] or None
+        with autocast(model.device.type, compute_dtype):  # per chunk: weight gradients add in fp32
+            scaled = model.get_output_embeddings()(states).float() / temperature  # z/T [B, c, V]
+        log_norm = torch.logsumexp(scaled, dim=-1)  # [B, c]
+        logp = scaled.gather(-1, tokens[..., None]).squeeze(-1) - log_norm  # z_y/T - logsumexp(z/T)
+        with torch.no_grad():  # H = logsumexp(z / T) - sum_v p_v z_v / T, not recomputed
+            return logp, log_norm - (scaled.softmax(-1) * scaled).sum(-1) if with_entropy else None
+    width = max(1, LOGIT_CHUNK // len(hidden))  # positions per chunk, LOGIT_CHUNK tokens in all
+    logp, entropy = zip(*(torch.utils.checkpoint.checkpoint(chunk, *part, use_reentrant=False)
+                          for part in zip(hidden.split(width, 1), targets.split(width, 1))))
+    return torch.cat(logp, 1), torch.cat(entropy, 1) if with_entropy else None  # [B, T]
 
 def evaluate(sampler, tokenizer, problems, args, prompt_chunk=8):
     """pass@1 (mean accuracy of --eval-samples samples) and unbiased pass@k on held-out problems."""

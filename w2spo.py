@@ -20,9 +20,10 @@ Every token of y_i gets A_i. A group whose rewards are all equal has A = 0 and t
 without refilling the batch). Sources: DeepSeekMath (GRPO); DAPO (Decoupled clip and Dynamic
 sAmpling Policy Optimization: clip-higher, eps_high > eps_low, and the token-level loss); Dr. GRPO
 (GRPO Done Right: no std, no length normalisation). To carry W2SPO into another GRPO trainer, copy
-Branch, branch_candidates, sample_within, sample_groups (steps 1-5), branch_logprobs, load_aux,
-score_aux_branches, importance_weights, policy_loss, branch_stats (the logged measures); see
-train_step's lines from "W2SPO" to aggregate_loss, and main.
+Branch, branch_candidates, sample_within, sample_groups (steps 1-5), state_logprobs (one forward
+per state), branch_logprobs, load_aux, score_aux_branches, importance_weights, policy_loss,
+branch_stats (the logged measures); see train_step's lines from "W2SPO" to aggregate_loss, and
+main.
 
 Only branch tokens y_i are trained, the target's and the auxiliary's alike (the paper's "updates
 restricted to the inserted segments" may mean the auxiliary's alone: no flag here); the paper's
@@ -235,13 +236,50 @@ def sample_groups(sampler, aux_sampler, tokenizer, prompts, problems, args):
                           tokens_read=sum(map(len, prompts + states * B_a + starts)),  # x, s, s + y
                           skipped_prompts=len(prompts) - len(kept))
 
+def state_logprobs(net, states, branches, temperature, micro_batch, with_entropy=False,
+                   compute_dtype=torch.float32):
+    """log pi(y_t | s, y_<t) of rows (state s, branch y) [B, T] (fp32), and the entropies [B, T]
+    (no grad) when asked: token_logprobs of the whole rows s + y, but the G rows of a group share
+    their state, so each distinct state of a micro-batch is forwarded once and its rows read its KV
+    cache (keys and values, a copy per row by Cache.batch_select_indices, through which the
+    gradient flows back into the state's forward). Whole rows remain where a cache holds more than
+    keys and values (linear attention, convolutions) or is static or quantised."""
+    branch_ids, mask = (t.to(net.device) for t in pad(branches, 0))  # [B, T]: padding masked
+    parts = []  # per micro-batch: (log-probs [b, T], entropies [b, T] or None)
+    for rows in torch.arange(len(states)).split(micro_batch):
+        row_states = [tuple(states[i]) for i in rows.tolist()]
+        unique = list(dict.fromkeys(row_states))  # the distinct states, in order of appearance
+        which = torch.tensor([unique.index(s) for s in row_states], device=net.device)  # [b]
+        state_ids, state_mask = (t.to(net.device) for t in pad(unique, 0, left=True))  # [u, S]
+        with autocast(net.device.type, compute_dtype):  # [u, S, d], and the cache
+            first = net.base_model(input_ids=state_ids, attention_mask=state_mask, use_cache=True,
+                                   position_ids=(state_mask.cumsum(dim=1) - 1).clamp(min=0))
+        plain = ("DynamicLayer", "DynamicSlidingWindowLayer")  # a cache layer of keys and values
+        layers = getattr(first.past_key_values, "layers", [])  # none: no cache came back
+        if not layers or any(type(layer).__name__ not in plain for layer in layers):
+            # whole rows, decided at the first micro-batch: all of them
+            ids, attention, _ = build_batch(states, branches, 0)
+            return token_logprobs(net, ids.to(net.device), attention.to(net.device), mask.shape[1],
+                                  temperature, micro_batch, with_entropy, compute_dtype)
+        first.past_key_values.batch_select_indices(which)  # [b, ...]: each row's state's cache
+        seen = state_mask[which]  # [b, S]
+        positions = seen.sum(dim=1, keepdim=True) + torch.arange(mask.shape[1], device=net.device)
+        with autocast(net.device.type, compute_dtype):  # [b, T, d]: the branches after the cache
+            rest = net.base_model(input_ids=branch_ids[rows], past_key_values=first.past_key_values,
+                                  attention_mask=torch.cat([seen, mask[rows]], dim=1),
+                                  position_ids=positions).last_hidden_state  # positions [b, T]
+        # y_0 is predicted by the state's last position, y_t (t >= 1) by the branch's position t - 1
+        hidden = torch.cat([first.last_hidden_state[which, -1:], rest[:, :-1]], dim=1)  # [b, T, d]
+        parts.append(hidden_logprobs(net, hidden, branch_ids[rows], temperature, with_entropy,
+                                     compute_dtype))
+    logp, entropy = zip(*parts)
+    return torch.cat(logp), torch.cat(entropy) if with_entropy else None  # [B, T]
+
 @torch.no_grad()
 def branch_logprobs(net, states, branches, temperature, args, with_entropy=False):
-    """log pi(y_t | s, y_<t) of rows (state s, branch y) [b, T] (fp32), and the entropy of each
-    token's distribution [b, T] when asked, without gradients: token_logprobs on the whole rows."""
-    ids, attention, mask = build_batch(states, branches, 0)  # padding: masked, any id
-    return token_logprobs(net, ids.to(net.device), attention.to(net.device), mask.shape[1],
-                          temperature, args.micro_batch, with_entropy, getattr(torch, args.dtype))
+    """state_logprobs without gradients, --micro-batch rows at a time, in --dtype."""
+    return state_logprobs(net, states, branches, temperature, args.micro_batch, with_entropy,
+                          getattr(torch, args.dtype))
 
 def score_aux_branches(model, aux_model, branches, args):
     """pi_aux of every auxiliary branch, once per step (the auxiliary is frozen): sets
@@ -347,36 +385,35 @@ def train_step(model, optimizer, batch, args, ref_model=None):
     dtype = getattr(torch, args.dtype)
     num_sequences = len(adv)
     num_tokens = max(sum(len(s.ids) for s in samples), 1)
-    pad_id = model.generation_config.pad_token_id
     # A row with A = 0 adds nothing but KL: without KL it is not forwarded at all (exact).
     if args.beta > 0:
         active = list(range(num_sequences))
     else:
         active = adv.nonzero().squeeze(1).tolist()
-    micro_batches = []  # (rows, ids [b, S + t], attention [b, S + t], mask [b, t]), own widths
+    micro_batches = []  # (rows, states s, branches y, mask [b, t]), own widths
     for start in range(0, len(active), args.micro_batch):
         rows = active[start: start + args.micro_batch]
-        prompts = [batch["prompts"][i] for i in rows]
-        tensors = build_batch(prompts, [samples[i].ids for i in rows], pad_id)
-        micro_batches.append((rows, *(t.to(model.device) for t in tensors)))
-    def logprobs(net, ids, attention, mask, with_entropy=False):  # [b, t] (and entropy [b, t])
-        return token_logprobs(net, ids, attention, mask.shape[1], args.temperature, len(ids),
-                              with_entropy, dtype)
+        branches = [samples[i].ids for i in rows]
+        mask = pad(branches, 0)[1].to(model.device)  # [b, t]
+        micro_batches.append((rows, [batch["prompts"][i] for i in rows], branches, mask))
+    def logprobs(net, states, branches, with_entropy=False):  # [b, t] (and entropy [b, t])
+        return state_logprobs(net, states, branches, args.temperature, len(states), with_entropy,
+                              dtype)  # W2SPO: each state forwarded once
     olds = [None] * len(micro_batches)  # pi_old, fixed at sampling for every epoch (if > 1)
     refs = [None] * len(micro_batches)  # pi_ref, for the KL term (if beta > 0)
     with torch.no_grad():
-        for index, (rows, ids, attention, mask) in enumerate(micro_batches):
+        for index, (rows, states, branches, mask) in enumerate(micro_batches):
             if args.ppo_epochs > 1:
-                olds[index] = logprobs(model, ids, attention, mask)[0]
+                olds[index] = logprobs(model, states, branches)[0]
             if args.beta > 0:
-                refs[index] = logprobs(ref_model, ids, attention, mask)[0]
+                refs[index] = logprobs(ref_model, states, branches)[0]
     stats = {"skipped_nonfinite": 0, "trained_sequences": len(active)}
     gaps = []  # |our log-prob - vLLM's| per sampled token, where vLLM sampled
     for epoch in range(args.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(("loss", "clip_frac", "kl", "entropy", "tokens"), 0.0)
-        for (rows, ids, attention, mask), old_logp, ref_logp in zip(micro_batches, olds, refs):
-            logp, entropy = logprobs(model, ids, attention, mask, True)  # [b, t] each
+        for (rows, states, branches, mask), old_logp, ref_logp in zip(micro_batches, olds, refs):
+            logp, entropy = logprobs(model, states, branches, True)  # [b, t] each
             if old_logp is None:
                 old_logp = logp.detach()  # --ppo-epochs 1: pi_old = pi_theta, rho = 1
             # W2SPO: the auxiliary's tokens get w, v and (--aux-is clip) their own rho
@@ -844,28 +881,37 @@ def build_batch(prompts, completions, pad_id):
     return (torch.cat([prompt_ids, completion_ids], dim=1),
             torch.cat([prompt_mask, completion_mask], dim=1), completion_mask)
 
+LOGIT_CHUNK = 512  # tokens whose logits exist at once, fp32: 0.3 GB at V = 152,064 [our choice]
+
 def token_logprobs(model, ids, attention_mask, num_completion_tokens, temperature, micro_batch,
                    with_entropy=False, compute_dtype=torch.float32):
-    """log pi(y_t | x, y_<t) of each row's last T = num_completion_tokens tokens [B, T] (fp32),
-    and the entropy of each token's distribution [B, T] (no grad) when asked, else None.
-    Selective log-softmax: logits sliced to the completion, log-prob = logit - logsumexp per row in
-    fp32. bf16 compute (autocast) keeps fp32 weights: bf16 ones would round small updates away."""
-    T = num_completion_tokens
-    logprobs, entropies = [], []  # per row: [T] each
+    """log pi(y_t | x, y_<t) of each row's last T = num_completion_tokens tokens [B, T] (fp32), and
+    the entropies [B, T] (no grad) when asked, else None. Weights stay fp32 under bf16 autocast."""
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding shifts nothing
-    for start in range(0, ids.shape[0], micro_batch):
-        rows = slice(start, start + micro_batch)
-        with autocast(model.device.type, compute_dtype):  # [b, T, V]: t predicts token t + 1
-            logits = model(input_ids=ids[rows], attention_mask=attention_mask[rows],
-                           position_ids=position_ids[rows], logits_to_keep=T + 1).logits[:, :-1]
-        for row_logits, targets in zip(logits, ids[rows, -T:]):
-            scaled = row_logits.float() / temperature  # [T, V]
-            log_norm = torch.logsumexp(scaled, dim=-1)  # [T]
-            logprobs.append(scaled.gather(-1, targets[:, None]).squeeze(-1) - log_norm)  # [T]
-            if with_entropy:
-                with torch.no_grad():
-                    entropies.append(log_norm - (torch.softmax(scaled, -1) * scaled).sum(-1))
-    return torch.stack(logprobs), torch.stack(entropies) if with_entropy else None  # [B, T]
+    hidden = []  # per micro-batch: the last layer's states [b, T, d]; state t predicts token t + 1
+    for rows in torch.arange(len(ids)).split(micro_batch):  # the rows of each micro-batch
+        with autocast(model.device.type, compute_dtype):  # [b, L, d]: no logits yet
+            states = model.base_model(input_ids=ids[rows], attention_mask=attention_mask[rows],
+                                      position_ids=position_ids[rows]).last_hidden_state
+        hidden.append(states[:, -num_completion_tokens - 1:-1])
+    return hidden_logprobs(model, torch.cat(hidden), ids[:, -num_completion_tokens:], temperature,
+                           with_entropy, compute_dtype)
+
+def hidden_logprobs(model, hidden, targets, temperature, with_entropy, compute_dtype):
+    """token_logprobs from the states [B, T, d] that predict targets [B, T]: the head (the output
+    embedding alone: no soft-cap or logit scale after it) and a selective log-softmax, LOGIT_CHUNK
+    tokens at a time, rerun in the backward pass (checkpoint), which keeps no logits [B, T, V]."""
+    def chunk(states, tokens):  # [B, c, d], [B, c] -> log-probs [B, c], entropies [B, c] or None
+        with autocast(model.device.type, compute_dtype):  # per chunk: weight gradients add in fp32
+            scaled = model.get_output_embeddings()(states).float() / temperature  # z/T [B, c, V]
+        log_norm = torch.logsumexp(scaled, dim=-1)  # [B, c]
+        logp = scaled.gather(-1, tokens[..., None]).squeeze(-1) - log_norm  # z_y/T - logsumexp(z/T)
+        with torch.no_grad():  # H = logsumexp(z / T) - sum_v p_v z_v / T, not recomputed
+            return logp, log_norm - (scaled.softmax(-1) * scaled).sum(-1) if with_entropy else None
+    width = max(1, LOGIT_CHUNK // len(hidden))  # positions per chunk, LOGIT_CHUNK tokens in all
+    logp, entropy = zip(*(torch.utils.checkpoint.checkpoint(chunk, *part, use_reentrant=False)
+                          for part in zip(hidden.split(width, 1), targets.split(width, 1))))
+    return torch.cat(logp, 1), torch.cat(entropy, 1) if with_entropy else None  # [B, T]
 
 def evaluate(sampler, tokenizer, problems, args, prompt_chunk=8):
     """pass@1 (mean accuracy of --eval-samples samples) and unbiased pass@k on held-out problems."""

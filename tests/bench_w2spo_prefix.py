@@ -1,14 +1,19 @@
-"""What sharing the state's forward pass would save W2SPO's update, side by side in one run.
+"""W2SPO's update as w2spo.py runs it (each state forwarded once, its branches after its KV cache:
+state_logprobs) against the same update on whole rows (state + branch, each row forwarded whole:
+token_logprobs), side by side in one run.
 
-w2spo.py forwards every (state, branch) row whole (token_logprobs), so a state shared by G branches
-is computed G times. The alternative, written here only to measure it, forwards each distinct state
-once and lets its branches read its KV cache (HF's Cache.batch_select_indices: an internal of the
-cache classes, which is why w2spo.py does not use it). Both compute the same log-probs (checked);
-this prints the seconds of forward + backward for the default's shapes (8 prompts x G = 8 branches of
-L = 8 tokens after a state of prompt + 20 tokens), each variant twice, alternating.
+Both run w2spo.train_step itself on the same batch; for the whole rows its state_logprobs is
+swapped for token_logprobs on the rows (this benchmark's only change), so the loss, the gradient
+norm and the optimizer step are the script's. The batch has the default's shapes: 8 prompts of
+arith-steps (chat template) + a 20-token prefix (the state), G = 8 branches of L = 8 tokens each
+(B_a = 4 auxiliary), --micro-batch 8, fp32, SmolLM2-135M-Instruct; --prompt-tokens N adds N
+tokens to every prompt (a real task's prompt is hundreds of tokens long). Each way --repeats
+times, alternating; the best of each is printed, and the ratio.
 
     python tests/bench_w2spo_prefix.py
+    python tests/bench_w2spo_prefix.py --prompt-tokens 300
 """
+import argparse
 import random
 import sys
 import time
@@ -21,58 +26,67 @@ import verifier  # noqa: E402
 import w2spo  # noqa: E402
 
 
-def shared_state_logprobs(net, states, branches):
-    """log pi(y_t | s, y_<t) [b, T], each distinct state forwarded once, its cache shared."""
-    unique = list(dict.fromkeys(map(tuple, states)))
-    which = torch.tensor([unique.index(tuple(s)) for s in states])  # [b]
-    state, seen = w2spo.pad([list(s) for s in unique], 0, left=True)  # [u, S]
-    branch, mask = w2spo.pad(branches, 0)  # [b, T]
-    first = net(input_ids=state, attention_mask=seen, logits_to_keep=1, use_cache=True,
-                position_ids=(seen.cumsum(dim=1) - 1).clamp(min=0))
-    first.past_key_values.batch_select_indices(which)  # [b, ...]: a state's cache per branch
-    positions = seen[which].sum(1, keepdim=True) + torch.arange(branch.shape[1])  # [b, T]
-    rest = net(input_ids=branch, past_key_values=first.past_key_values,
-               attention_mask=torch.cat([seen[which], mask], dim=1), position_ids=positions)
-    logits = torch.cat([first.logits[which], rest.logits[:, :-1]], dim=1).float()  # [b, T, V]
-    return logits.gather(-1, branch[..., None]).squeeze(-1) - torch.logsumexp(logits, -1)
+def whole_rows(net, states, branches, temperature, micro_batch, with_entropy=False,
+               compute_dtype=torch.float32):
+    """state_logprobs' numbers from whole rows: token_logprobs on state + branch."""
+    ids, attention, mask = w2spo.build_batch(states, branches, 0)
+    return w2spo.token_logprobs(net, ids.to(net.device), attention.to(net.device), mask.shape[1],
+                                temperature, micro_batch, with_entropy, compute_dtype)
+
+
+def make_batch(tokenizer, args):
+    """8 groups of G = 8 branches after a state each, half of them the auxiliary's; mixed rewards."""
+    rng = random.Random(0)
+    problems = verifier.load_problems("arith-steps", "train", None, 0)[:8]
+    branches = []
+    for problem in problems:
+        prompt = w2spo.encode_prompt(tokenizer, problem["question"])
+        prompt = [rng.randrange(1000, 5000) for _ in range(args.prompt_tokens)] + prompt
+        state = prompt + [rng.randrange(1000, 5000) for _ in range(20)]
+        for j in range(8):
+            ids = [rng.randrange(1000, 5000) for _ in range(8)]
+            by_aux = j >= 4
+            branches.append(w2spo.Branch(state, 20, ids, by_aux, [], False,
+                                         aux_logprobs=[-rng.random() - 1 for _ in ids] if by_aux
+                                         else None, reward=float(rng.random() < 0.4)))
+    rewards = torch.tensor([b.reward for b in branches])
+    rewards.view(-1, 8)[:, 0] = 1.0  # at least one right and one wrong branch per group: A != 0
+    rewards.view(-1, 8)[:, 1] = 0.0
+    advantages = w2spo.group_advantages(rewards, 8)
+    return {"prompts": [b.state for b in branches], "samples": branches, "advantages": advantages}
 
 
 def main():
-    random.seed(0)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="tokens added to each prompt")
+    parser.add_argument("--repeats", type=int, default=2)
+    options = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer = w2spo.load_model("smollm2-135m", torch.float32, "cpu")
-    problems = verifier.load_problems("arith-steps", "train", None, 0)[:8]
-    states, branches = [], []
-    for problem in problems:
-        state = w2spo.encode_prompt(tokenizer, problem["question"])
-        state = state + [random.randrange(1000, 5000) for _ in range(20)]
-        for _ in range(8):
-            states.append(state)
-            branches.append([random.randrange(1000, 5000) for _ in range(8)])
-    args = w2spo.parse_args([])
-
-    def whole(rows):  # as train_step forwards its rows
-        ids, attention, mask = w2spo.build_batch([states[i] for i in rows],
-                                                 [branches[i] for i in rows], 0)
-        return w2spo.token_logprobs(model, ids, attention, mask.shape[1], 1.0, args.micro_batch)[0]
-
-    def shared(rows):
-        return shared_state_logprobs(model, [states[i] for i in rows], [branches[i] for i in rows])
-
-    with torch.no_grad():
-        torch.testing.assert_close(whole(range(8)), shared(range(8)), atol=1e-4, rtol=1e-4)
-    seconds = {"whole rows (w2spo.py)": [], "shared state": []}
-    for _ in range(2):
-        for name, logprobs in zip(seconds, (whole, shared)):
-            start = time.time()
-            for group in range(8):  # one micro-batch of 8 rows = one state's branches
-                logprobs(range(group * 8, group * 8 + 8)).sum().backward()
-            model.zero_grad(set_to_none=True)
-            seconds[name].append(time.time() - start)
-    for name, values in seconds.items():
-        print(f"{name:24s} {min(values):6.1f} s for 64 rows, forward + backward (best of 2)")
-    ratio = min(seconds["whole rows (w2spo.py)"]) / min(seconds["shared state"])
-    print(f"whole / shared: {ratio:.2f}x")
+    model.train()
+    args = w2spo.parse_args(["--max-grad-norm", "1.0"])
+    batch = make_batch(tokenizer, options)
+    shared = w2spo.state_logprobs
+    ways = {"whole rows": whole_rows, "shared state (w2spo.py)": shared}
+    seconds, stats = {name: [] for name in ways}, {}
+    for _ in range(options.repeats):
+        for name, logprobs in ways.items():
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay: same batch
+            w2spo.state_logprobs = logprobs
+            start = time.perf_counter()
+            stats[name] = w2spo.train_step(model, optimizer, batch, args)
+            seconds[name].append(time.perf_counter() - start)
+    w2spo.state_logprobs = shared
+    state_len = len(batch["prompts"][0])
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; 8 states of "
+          f"{state_len} tokens x 8 branches of 8 tokens, --micro-batch 8, fp32")
+    for name in ways:
+        s = stats[name]
+        print(f"{name:>24}: {min(seconds[name]):6.2f} s per update (best of {options.repeats}); "
+              f"loss {s['loss']:.6f}, grad norm {s['grad_norm']:.6f}")
+    ratio = min(seconds["whole rows"]) / min(seconds["shared state (w2spo.py)"])
+    print(f"whole rows / shared state: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,13 @@
    level 2 while the policy trains (its memory handed back), so the policy needs its peak while
    training and its weights and moments (12 bytes per parameter; no gradients) beside the engine.
    --activations-gb is an allowance for activations and the CUDA context (printed with the table).
+3. The activations, per token of a row (prompt and completion tokens alike): the bytes the
+   autograd graph keeps between forward and backward of token_logprobs under bf16 autocast
+   (saved-tensor hooks, each storage once, the weights left out), measured on random models with
+   one and two layers of each shape below (the public configs' widths, heads and vocabularies):
+   per layer, and the rest (embedding, final norm, the head's hidden states). A micro-batch keeps
+   --micro-batch x (prompt + --max-new-tokens) x that, plus, for the length of one chunk of the
+   log-prob step, its logits (LOGIT_CHUNK x V fp32, a few times over in its backward pass).
 The same step on a GPU is `pytest tests/test_cuda.py -m cuda` (torch.cuda.max_memory_allocated)."""
 import argparse
 import sys
@@ -59,6 +66,61 @@ def peak_bytes_per_parameter(model, fused, compute_dtype=torch.bfloat16, rows=2)
     return sizes[peak].sum() / count, dict(zip(CATEGORIES, sizes[peak] / count))
 
 
+# (hidden size, MLP width, attention heads, key-value heads, head size, vocabulary, layers)
+SHAPES = {"SmolLM2-135M": (576, 1536, 9, 3, 64, 49152, 30),
+          "Qwen2.5-0.5B": (896, 4864, 14, 2, 64, 151936, 24),
+          "Qwen2.5-1.5B": (1536, 8960, 12, 2, 128, 151936, 28),
+          "Qwen3-4B": (2560, 9728, 32, 8, 128, 151936, 36),
+          "Qwen2.5-7B": (3584, 18944, 28, 4, 128, 152064, 28)}
+
+
+def kept_bytes_per_token(shape, layers, tokens=(48, 112)):
+    """Bytes the graph keeps for the backward pass of token_logprobs per token of one row (bf16
+    autocast, fp32 weights), on a random Llama of `shape` with `layers` layers: the slope between
+    two lengths, so that what does not grow with the row cancels. The vocabulary is 1,024: the
+    log-prob step keeps no logits, so the vocabulary changes nothing kept."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hidden, mlp, heads, kv_heads, head_size, _, _ = shape
+    vocab = 1024
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, head_dim=head_size, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = []
+    for length in tokens:
+        ids = torch.randint(0, vocab, (1, length))
+        storages = {}
+
+        def pack(tensor):
+            if tensor.untyped_storage().data_ptr() not in weights:
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor.detach()  # the tensor itself: a reference cycle, never freed
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            grpo.token_logprobs(model, ids, torch.ones_like(ids), length - 16, 1.0, 1,
+                                compute_dtype=torch.bfloat16)
+        kept.append(sum(storages.values()))
+    return (kept[1] - kept[0]) / (tokens[1] - tokens[0])
+
+
+def activations_table():
+    """Per shape: bytes kept per token per layer, the rest, the model's total per token."""
+    print("\nactivations kept for the backward pass per token of a row (bf16 autocast), from "
+          "random 1- and 2-layer models of each shape:")
+    print(f"{'shape':>14} {'layers':>6} {'per layer':>10} {'rest':>8} {'per token':>10} "
+          f"{'8 x 4,352 tokens':>17} {'one chunk of logits':>20}")
+    for name, shape in SHAPES.items():
+        one, two = kept_bytes_per_token(shape, 1), kept_bytes_per_token(shape, 2)
+        per_layer, rest = two - one, 2 * one - two
+        total = shape[-1] * per_layer + rest
+        chunk = grpo.LOGIT_CHUNK * shape[5] * 4  # fp32 logits of one chunk
+        print(f"{name:>14} {shape[-1]:>6} {per_layer / 1e3:>8.1f}KB {rest / 1e3:>6.1f}KB "
+              f"{total / 1e6:>8.2f}MB {8 * 4352 * total / 2**30:>15.1f}GB {chunk / 2**30:>18.2f}GB",
+              flush=True)
+    print("(8 x 4,352 tokens: --micro-batch 8 of a 256-token prompt and --max-new-tokens 4096)")
+
+
 def largest_models(per_parameter, card_gb, share, activations_gb):
     """Billions of parameters that fit: HF backend; vLLM asleep (level 2) while training, awake
     with its share beside the weights and moments (12 bytes per parameter) while sampling."""
@@ -75,6 +137,7 @@ def main():
     parser.add_argument("--activations-gb", type=float, default=4.0,
                         help="allowance for activations (micro-batch 8 of short sequences) and "
                              "the CUDA context")
+    parser.add_argument("--skip-activations", action="store_true", help="only parts 1 and 2")
     args = parser.parse_args()
     model, _ = grpo.load_model(args.model, torch.float32, "cpu")
     count = sum(p.numel() for p in model.parameters())
@@ -97,6 +160,8 @@ def main():
         print(f"{gb:>4}GB  {hf:>11.1f}  {vllm:>25.1f}")
     print(f"\n(vLLM's {u:.0%} must also hold its bf16 weights, 2 bytes per parameter: 8B -> 16 GB, "
           "and a KV cache; raise --gpu-memory-utilization for long completions)")
+    if not args.skip_activations:
+        activations_table()
 
 
 if __name__ == "__main__":

@@ -169,6 +169,72 @@ def test_branch_logprobs_are_those_of_sampling(tiny_model_dir):
     torch.testing.assert_close(got[real], scores[:, : got.shape[1]][real], atol=1e-5, rtol=1e-5)
 
 
+# ----------------------------------------------------------------------------- one forward per state
+
+SHARED_STATES = [[1, 40, 41, 42, 43, 44, 45]] * 3 + [[1, 50, 51]] * 2 + [[1, 60, 61, 62, 63, 64, 65]]
+SHARED_BRANCHES = [[70, 71, 2], [72, 73, 74, 75, 2], [76], [77, 78, 79], [80, 2], [81, 82, 83, 84, 85]]
+
+
+def rows_and_grads(model, shared, dtype, micro_batch=6):
+    """log-probs, entropies [6, T] of the rows above, by state_logprobs (shared) or token_logprobs on
+    whole rows, the gradient of a weighted sum of the log-probs, and the body's input shapes."""
+    shapes = []
+    hook = model.base_model.register_forward_hook(lambda m, args, kwargs, out: shapes.append(
+        tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    model.zero_grad(set_to_none=True)
+    if shared:
+        logp, entropy = w2spo.state_logprobs(model, SHARED_STATES, SHARED_BRANCHES, 0.7, micro_batch,
+                                             True, dtype)
+    else:
+        ids, attention, mask = w2spo.build_batch(SHARED_STATES, SHARED_BRANCHES, 0)
+        logp, entropy = w2spo.token_logprobs(model, ids, attention, mask.shape[1], 0.7, micro_batch,
+                                             True, dtype)
+    hook.remove()
+    mask = w2spo.pad(SHARED_BRANCHES, 0)[1]
+    (logp * mask * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
+    return logp.detach() * mask, entropy * mask, grads(model), shapes
+
+
+@pytest.mark.parametrize("kind", ["tiny", "gpt2", "gemma3", "lfm2"])
+def test_each_state_is_forwarded_once_with_whole_rows_numbers(tiny_model_dir, kind):
+    """state_logprobs forwards each distinct state once and its branches after its KV cache: the
+    log-probs, entropies and gradients of whole rows (fp32), through the cache into the state's
+    forward. The tiny Llama and GPT-2 (absolute positions), Gemma 3 (a sliding window of 4, shorter
+    than the states); LFM2, whose cache holds a convolution's state, gets whole rows."""
+    from test_logprobs import tiny
+    model = fresh(tiny_model_dir) if kind == "tiny" else tiny(kind)
+    logp, entropy, grad, shapes = rows_and_grads(model, True, torch.float32)
+    want_logp, want_entropy, want_grad, _ = rows_and_grads(model, False, torch.float32)
+    torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, want_entropy, atol=1e-5, rtol=0)
+    assert (grad - want_grad).norm() <= 1e-4 * want_grad.norm()
+    if kind == "lfm2":  # the states once (their cache refused), then the six whole rows
+        assert shapes == [(3, 7), (6, 12)]
+    else:  # the three distinct states [3, S], then the six branches [6, T]
+        assert shapes == [(3, 7), (6, 5)]
+
+
+def test_shared_states_under_bf16_autocast(tiny_model_dir):
+    """Under bf16 autocast: the log-probs of whole rows; the gradient, summed in another order,
+    as close to the fp32 one as whole rows' is."""
+    model = fresh(tiny_model_dir)
+    logp, _, grad, _ = rows_and_grads(model, True, torch.bfloat16)
+    want_logp, _, want_grad, _ = rows_and_grads(model, False, torch.bfloat16)
+    exact = rows_and_grads(model, False, torch.float32)[2]
+    torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=0)
+    assert (grad - exact).norm() <= 1.25 * (want_grad - exact).norm()
+
+
+def test_micro_batches_split_states_and_groups_alike(tiny_model_dir):
+    """A micro-batch boundary inside a group (rows 0-3, 4-5) changes no number."""
+    model = fresh(tiny_model_dir)
+    split = rows_and_grads(model, True, torch.float32, micro_batch=4)
+    whole = rows_and_grads(model, False, torch.float32)
+    torch.testing.assert_close(split[0], whole[0], atol=1e-5, rtol=0)
+    assert (split[2] - whole[2]).norm() <= 1e-4 * whole[2].norm()
+    assert split[3] == [(2, 7), (4, 5), (2, 7), (2, 5)]
+
+
 # ----------------------------------------------------------------------------- the loss
 
 def toy_branches():
