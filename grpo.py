@@ -625,12 +625,16 @@ def build_batch(prompts, completions, pad_id):
     return (torch.cat([prompt_ids, completion_ids], dim=1),
             torch.cat([prompt_mask, completion_mask], dim=1), completion_mask)
 
-LOGIT_CHUNK = 512  # tokens whose logits exist at once, fp32: 0.3 GB at V = 152,064 [our choice]
+# The output layer's logits of LOGIT_CHUNK tokens exist at once, in fp32: 0.3 GB at a vocabulary
+# of 152,064 (Qwen's), against 0.6 MB per completion token if all were kept. [our choice]
+LOGIT_CHUNK = 512
 
 def token_logprobs(model, ids, attention_mask, num_completion_tokens, temperature, micro_batch,
                    with_entropy=False, compute_dtype=torch.float32):
     """log pi(y_t | x, y_<t) of each row's last T = num_completion_tokens tokens [B, T] (fp32), and
-    the entropies [B, T] (no grad) when asked, else None. Weights stay fp32 under bf16 autocast."""
+    the entropies [B, T] (no grad) when asked, else None. The model's body runs micro_batch rows
+    at a time; its output layer runs in hidden_logprobs. Weights stay fp32 under bf16 autocast,
+    which would round small updates away if they were bf16."""
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding shifts nothing
     hidden = []  # per micro-batch: the last layer's states [b, T, d]; state t predicts token t + 1
     for rows in torch.arange(len(ids)).split(micro_batch):  # the rows of each micro-batch
@@ -642,20 +646,48 @@ def token_logprobs(model, ids, attention_mask, num_completion_tokens, temperatur
                            with_entropy, compute_dtype)
 
 def hidden_logprobs(model, hidden, targets, temperature, with_entropy, compute_dtype):
-    """token_logprobs from the states [B, T, d] that predict targets [B, T]: the head (the output
-    embedding alone: no soft-cap or logit scale after it) and a selective log-softmax, LOGIT_CHUNK
-    tokens at a time, rerun in the backward pass (checkpoint), which keeps no logits [B, T, V]."""
+    """From the last layer's states [B, T, d] to the log-probs of targets [B, T] (and entropies),
+    LOGIT_CHUNK tokens at a time. Each chunk's logits [B, c, V] are made, used and freed, and
+    torch.utils.checkpoint makes them again in the backward pass, so that the backward pass keeps
+    the states [B, T, d] and never the logits of every token in fp32."""
     def chunk(states, tokens):  # [B, c, d], [B, c] -> log-probs [B, c], entropies [B, c] or None
-        with autocast(model.device.type, compute_dtype):  # per chunk: weight gradients add in fp32
-            scaled = model.get_output_embeddings()(states).float() / temperature  # z/T [B, c, V]
-        log_norm = torch.logsumexp(scaled, dim=-1)  # [B, c]
-        logp = scaled.gather(-1, tokens[..., None]).squeeze(-1) - log_norm  # z_y/T - logsumexp(z/T)
-        with torch.no_grad():  # H = logsumexp(z / T) - sum_v p_v z_v / T, not recomputed
-            return logp, log_norm - (scaled.softmax(-1) * scaled).sum(-1) if with_entropy else None
-    width = max(1, LOGIT_CHUNK // len(hidden))  # positions per chunk, LOGIT_CHUNK tokens in all
-    logp, entropy = zip(*(torch.utils.checkpoint.checkpoint(chunk, *part, use_reentrant=False)
-                          for part in zip(hidden.split(width, 1), targets.split(width, 1))))
-    return torch.cat(logp, 1), torch.cat(entropy, 1) if with_entropy else None  # [B, T]
+        with autocast(model.device.type, compute_dtype):  # the weights' gradients add up in fp32
+            scaled = output_logits(model, states).float() / temperature  # z / T   [B, c, V]
+        log_norm = torch.logsumexp(scaled, dim=-1)  # log sum_v exp(z_v / T)   [B, c]
+        logp = scaled.gather(-1, tokens[..., None]).squeeze(-1) - log_norm  # z_y / T - log_norm
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():  # H = log_norm - sum_v p_v z_v / T
+                entropy = log_norm - (scaled.softmax(-1) * scaled).sum(-1)  # [B, c]
+        return logp, entropy
+    width = max(1, LOGIT_CHUNK // len(hidden))  # positions per chunk: LOGIT_CHUNK tokens in all
+    parts = [torch.utils.checkpoint.checkpoint(chunk, states, tokens, use_reentrant=False)
+             for states, tokens in zip(hidden.split(width, 1), targets.split(width, 1))]
+    logp = torch.cat([part[0] for part in parts], 1)  # [B, T]
+    return logp, torch.cat([part[1] for part in parts], 1) if with_entropy else None
+
+def output_logits(model, hidden):
+    """The logits [..., V] of last-layer states [..., d], as the model's own forward computes them:
+    its output layer, then the scaling or soft-capping that some families add (Cohere's
+    logit_scale, Granite's logits_scaling, Gemma 2's final_logit_softcapping)."""
+    config = model.config.get_text_config()
+    logits = model.get_output_embeddings()(hidden)
+    logits = logits * getattr(config, "logit_scale", 1.0) / getattr(config, "logits_scaling", 1.0)
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        logits = cap * torch.tanh(logits / cap)  # z = cap tanh(z / cap)
+    return logits
+
+def check_output_logits(model):
+    """A one-line error at start if output_logits does not give the model's own logits: a family
+    that changes them some other way would otherwise train on wrong log-probs without a word."""
+    ids = torch.tensor([[1, 2, 3, 4]], device=model.device)
+    with torch.no_grad():
+        ours = output_logits(model, model.base_model(input_ids=ids).last_hidden_state)
+        theirs = model(input_ids=ids).logits  # [1, 4, V]
+    if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4):
+        die(f"{type(model).__name__} changes its logits after its output layer in a way this "
+            "script does not reproduce, so its log-probs would be wrong")
 
 def evaluate(sampler, tokenizer, problems, args, prompt_chunk=8):
     """pass@1 (mean accuracy of --eval-samples samples) and unbiased pass@k on held-out problems."""
@@ -731,6 +763,7 @@ class Run:
         engine = (create_vllm_engine(args.model, args, self.compute_dtype)
                   if args.backend == "vllm" else None)  # before the policy: it sizes memory first
         self.model, self.tokenizer = load_model(args.model, torch.float32, self.device)  # master
+        check_output_logits(self.model)  # the log-probs' output layer reproduces the model's
         self.ref_model = (load_model(args.model, self.compute_dtype, self.device)[0].eval()
                           .requires_grad_(False) if args.beta > 0 else None)  # frozen: KL only
         check_chat_template(self.tokenizer, args)

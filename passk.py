@@ -111,6 +111,11 @@ def parse_args(argv=None):
     return args
 
 # ------------------------------------------------------------------------ the method: advantages
+# Dr. GRPO (GRPO Done Right) drops the division by std(r) with --scale-rewards none: dividing
+# weighs a group whose rewards barely differ as much as one split evenly, which favours problems
+# that are nearly always solved or nearly never. The 1e-4 keeps an all-equal group at A = 0.
+# Our std divides by G, not by G - 1 as TRL's and verl's do, so our A_i is sqrt(G / (G - 1))
+# times theirs (1.07 at G = 8).
 def group_advantages(rewards, group_size, scale="group"):
     """rewards [P * G], each group of G consecutive -> advantages [P * G].
 
@@ -231,9 +236,23 @@ def passk_training_advantages(rewards, args, entropy=None):
     return mix_advantages(pass1, passk, rewards, G, entropy)
 
 # ------------------------------------------------------------------------ the update
+# The loss of token t of completion i, with rho_i,t = pi_theta(y_i,t | x, y_i,<t) / pi_old(...):
+#     l_i,t = -min(rho_i,t A_i, clip(rho_i,t, 1 - eps_low, 1 + eps_high) A_i) + beta k3_i,t
+# The clip (--eps-low, --eps-high) keeps one batch from moving the policy far: once a token's ratio
+# leaves the range in the direction its advantage favours, the token gets no gradient. DAPO's
+# clip-higher sets eps_high above eps_low, so that an unlikely token can still gain probability.
+# [our choice] pi_old is the sampling policy as this trainer computes it, not the sampler's own
+# log-probs (vLLM's only check the weight sync, as logp_mismatch_*). With the default --ppo-epochs
+# 1 the update runs once, right after sampling, so rho is exactly 1 and the clip never acts: each
+# step is REINFORCE with the group's mean reward as its baseline. With --ppo-epochs 2 or more the
+# later epochs reuse the batch, and the ratio and the clip start to matter.
+# k3 = exp(ref - logp) - (ref - logp) - 1 is Schulman's third estimator of the Kullback-Leibler
+# divergence KL(pi_theta || pi_ref) from the starting model pi_ref (--beta; 0 turns it off). It is
+# unbiased as a value on tokens pi_theta sampled, but as a loss its gradient is that of KL(pi_ref
+# || pi_theta), the reverse direction; TRL and verl use it the same way.
 def policy_loss(logp, old_logp, advantages, eps_low, eps_high, ref_logp=None, beta=0.0):
     """Per-token clipped surrogate (+ k3 KL). logp, old_logp, ref_logp [B, T]; advantages [B].
-    Returns (loss [B, T], clipped [B, T]: 1 where the clip won the min, kl [B, T] or None)."""
+    Returns (loss [B, T], clip_won [B, T]: 1 where the clip won the min, kl [B, T] or None)."""
     adv = advantages[:, None]  # [B, 1]
     ratio = torch.exp(logp - old_logp)  # rho = pi_theta / pi_old   [B, T]
     unclipped = ratio * adv  # rho A   [B, T]
@@ -246,6 +265,14 @@ def policy_loss(logp, old_logp, advantages, eps_low, eps_high, ref_logp=None, be
         loss = loss + beta * kl  # l + beta k3
     return loss, (clipped < unclipped).float(), kl
 
+# --loss-agg sums the per-token losses into one number in one of three ways, which weigh long and
+# short completions differently:
+#     token-mean    the sum over the batch's tokens / their number           (DAPO, the default)
+#     seq-mean      the mean over each completion's tokens, then over completions  (original GRPO)
+#     seq-sum-norm  the sum / (the number of completions x --max-new-tokens)  (Dr. GRPO)
+# seq-mean gives each completion the same weight, so a token of a long wrong completion counts for
+# less than one of a short one; token-mean gives each token the same weight; seq-sum-norm divides
+# by a constant, so that no length changes the weight of a token.
 def aggregate_loss(token_loss, mask, loss_agg, num_tokens, num_sequences, max_new_tokens):
     """One number from the per-token losses [b, T] of a micro-batch. The normalisers are the whole
     batch's, so the micro-batches' results add up to the full batch's loss."""
@@ -256,6 +283,12 @@ def aggregate_loss(token_loss, mask, loss_agg, num_tokens, num_sequences, max_ne
         return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / num_sequences
     return masked.sum() / (num_sequences * max_new_tokens)  # seq-sum-norm: sum / (B x T_max)
 
+# A completion whose advantage is 0 adds nothing to the loss but its KL term, so without --beta it
+# is not forwarded at all: the result is exact, and an all-right or all-wrong group costs no
+# compute. It still counts in the normalisers of --loss-agg, so with beta = 0 --filter-groups,
+# which drops such groups, only rescales the loss. clip_frac_trained and entropy_trained in
+# metrics.jsonl therefore cover the forwarded completions only. The weights and AdamW's state are
+# float32; --dtype sets only the precision of the matrix products (autocast, in the plumbing).
 def train_step(model, optimizer, batch, args, ref_model=None):
     """One sampled batch -> --ppo-epochs optimizer steps; returns diagnostics. batch: "prompts"
     (lists of ids), "samples" (dicts: "ids", and "sampler_logprobs" with vLLM, compared with ours as
@@ -266,10 +299,9 @@ def train_step(model, optimizer, batch, args, ref_model=None):
     num_sequences = len(adv)
     num_tokens = max(sum(len(s["ids"]) for s in samples), 1)
     pad_id = model.generation_config.pad_token_id
-    # A row with A = 0 adds nothing but KL: without KL it is not forwarded at all (exact).
-    if args.beta > 0:
+    if args.beta > 0:  # every row has a KL term to train
         active = list(range(num_sequences))
-    else:
+    else:  # only the rows with A != 0 have a gradient
         active = adv.nonzero().squeeze(1).tolist()
     micro_batches = []  # (rows, ids [b, L + t], attention [b, L + t], mask [b, t]), own widths
     for start in range(0, len(active), args.micro_batch):
@@ -278,8 +310,10 @@ def train_step(model, optimizer, batch, args, ref_model=None):
         tensors = build_batch(prompts, [samples[i]["ids"] for i in rows], pad_id)
         micro_batches.append((rows, *(t.to(model.device) for t in tensors)))
     def logprobs(net, ids, attention, mask, with_entropy=False):  # [b, t] (and entropy [b, t])
-        return token_logprobs(net, ids, attention, mask.shape[1], args.temperature, len(ids),
-                              with_entropy, dtype)
+        # The rows are one micro-batch already, so token_logprobs forwards them all at once.
+        return token_logprobs(net, ids, attention, mask.shape[1], args.temperature,
+                              micro_batch=len(ids), with_entropy=with_entropy,
+                              compute_dtype=dtype)
     olds = [None] * len(micro_batches)  # pi_old, fixed at sampling for every epoch (if > 1)
     refs = [None] * len(micro_batches)  # pi_ref, for the KL term (if beta > 0)
     with torch.no_grad():
@@ -296,12 +330,13 @@ def train_step(model, optimizer, batch, args, ref_model=None):
         for (rows, ids, attention, mask), old_logp, ref_logp in zip(micro_batches, olds, refs):
             logp, entropy = logprobs(model, ids, attention, mask, True)  # [b, t] each
             if old_logp is None:
-                old_logp = logp.detach()  # --ppo-epochs 1: pi_old = pi_theta, rho = 1
-            token_loss, clipped, kl = policy_loss(logp, old_logp, adv[rows].to(model.device),
-                                                  args.eps_low, args.eps_high, ref_logp, args.beta)
+                old_logp = logp.detach()  # --ppo-epochs 1: pi_old = pi_theta, so rho = 1
+            token_loss, clip_won, kl = policy_loss(logp, old_logp, adv[rows].to(model.device),
+                                                   args.eps_low, args.eps_high, ref_logp,
+                                                   args.beta)
             loss = aggregate_loss(token_loss, mask, args.loss_agg, num_tokens, num_sequences,
                                   args.max_new_tokens)
-            loss.backward()
+            loss.backward()  # the gradients of the micro-batches add up to the batch's
             tokens = mask.bool()
             for j, i in enumerate(rows):  # vLLM's log-probs, where it sampled the row
                 engine_logp = samples[i].get("sampler_logprobs")
@@ -309,14 +344,14 @@ def train_step(model, optimizer, batch, args, ref_model=None):
                     ours = logp[j, : len(engine_logp)].detach()  # [tokens]
                     gaps.append((ours - torch.tensor(engine_logp).to(ours)).abs())
             sums["loss"] += loss.item()
-            sums["clip_frac"] += clipped[tokens].sum().item()
+            sums["clip_frac"] += clip_won[tokens].sum().item()
             sums["entropy"] += entropy[tokens].sum().item()
             sums["tokens"] += tokens.sum().item()
             if kl is not None:
                 sums["kl"] += kl[tokens].sum().item()
         if not sums["tokens"]:
             break
-        # The gradient norm over all weights (clipped to --max-grad-norm; 0: only measured).
+        # The gradient norm over all weights, clipped to --max-grad-norm (0 only measures it).
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                          args.max_grad_norm or float("inf")))
         stats.update(clip_frac_trained=sums["clip_frac"] / sums["tokens"],  # rows forwarded only
@@ -327,7 +362,7 @@ def train_step(model, optimizer, batch, args, ref_model=None):
             stats["skipped_nonfinite"] += 1
             continue
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)  # the gradients' memory, free through sampling
+    optimizer.zero_grad(set_to_none=True)  # frees the gradients' memory while sampling runs
     if gaps:
         gap = torch.cat(gaps)  # [tokens]: |our log-prob - vLLM's| of each sampled token
         stats.update(logp_mismatch_mean=gap.mean().item(), logp_mismatch_max=gap.max().item())
@@ -369,8 +404,10 @@ def main(argv=None):
     return run.finish(train_k=args.k, passk_mode=args.passk_mode, mix=args.mix)
 
 # ============================================================================= plumbing
-# The same in every script that has it (tests/test_consistency.py checks): read it once here and
-# skip it in passk.py, w2spo.py, sampling_evolve.py; rse_search.py has only what a search needs.
+# Below this line is the plumbing: loading models and data, sampling, log-probs, evaluation,
+# checkpoints and errors. It is the same, word for word, in every trainer (tests/test_consistency.py
+# checks it), so a reader who has read it in one script can skip it in the others; rse_search.py, a
+# search, carries only the definitions it needs.
 def die(message):
     """A one-line error for bad input, no traceback."""
     raise SystemExit(f"error: {message}")
@@ -408,29 +445,33 @@ def add_common_args(parser):
     parser.error = die
     add = parser.add_argument
     add("--model", default="smollm2-135m", help="'smollm2-135m' (offline), a folder or a hub name")
-    add("--dataset", default="arith", help="'arith', 'arith-steps' or a JSONL file of problems")
-    add("--eval-dataset", help="held-out problems (default: the test split of --dataset)")
+    add("--dataset", default="arith",
+        help="'arith', 'arith-steps' or a JSONL file of problems (default: %(default)s)")
+    add("--eval-dataset", help="evaluation problems (default: the test split of --dataset)")
     add("--question-field", default="question", help="JSONL field holding the question")
     add("--answer-field", default="answer", help="JSONL field holding the gold answer")
-    add("--system-prompt", help="system message (default: none, or the chat template's own)")
+    add("--system-prompt", help="system message (default: none, so the chat template's own)")
     add("--chat-template-kwargs", type=json_object, default={}, metavar="JSON",
         help="passed to the chat template, e.g. '{\"enable_thinking\": false}' for Qwen3")
-    add("--max-new-tokens", type=count, default=32, help="completion length limit")
-    add("--temperature", type=positive, default=1.0, help="sampling temperature (log-probs too)")
+    add("--max-new-tokens", type=count, default=32,
+        help="completion length limit (default: %(default)s)")
+    add("--temperature", type=positive, default=1.0,
+        help="sampling temperature, which a trainer's log-probs use too (default: %(default)s)")
     add("--dtype", default="auto", choices=["float32", "bfloat16"], type=compute_dtype_name,
-        help="compute precision (auto: bf16 on a GPU, fp32 on a CPU); weights stay fp32")
+        help="compute precision (auto: bf16 on a GPU, fp32 on a CPU); trained weights stay fp32")
     add("--backend", default="hf", choices=["hf", "vllm"], help="sampler: HF generate or vLLM")
     add("--gpu-memory-utilization", type=positive, help="vLLM: its share of GPU memory (0.3)")
     add("--max-model-len", type=count, help="vLLM: longest prompt + completion")
-    add("--eval-problems", type=count, default=48, help="held-out problems")
+    add("--eval-problems", type=count, default=48,
+        help="how many evaluation problems (default: %(default)s)")
     add("--eval-k", type=count, default=4, help="k of the reported pass@k")
-    add("--output-dir", help="logs and checkpoints (default: runs/<script>)")
+    add("--output-dir", help="where the logs and any checkpoints go (default: runs/<script>)")
     add("--seed", type=bounded(int, 0), default=0, help="the same seed, on a CPU: the same run")
 
 def add_training_args(parser):
     """The flags every trainer has."""
     add = parser.add_argument
-    add("--steps", type=count, default=12, help="optimizer steps (at most)")
+    add("--steps", type=count, default=12, help="optimizer steps, at most (default: %(default)s)")
     add("--token-budget", type=bounded(int, 0), default=0,
         help="stop after the step at which the tokens counted (--budget-counts) reach N (0: off)")
     add("--budget-counts", default="written", choices=["written", "read+written"],
@@ -438,7 +479,8 @@ def add_training_args(parser):
              "or those and the prompt tokens each sample read")
     add("--prompts-per-step", type=count, default=8, help="prompts per step (P)")
     add("--group-size", type=bounded(int, 2), default=8, help="completions per prompt (G)")
-    add("--lr", type=positive, default=2e-5, help="AdamW learning rate (constant)")
+    add("--lr", type=positive, default=2e-5,
+        help="AdamW's learning rate, constant (default: %(default)s)")
     add("--max-grad-norm", type=bounded(float, 0), default=1.0, help="gradient clipping (0: off)")
     add("--micro-batch", type=count, default=8, help="sequences per forward and backward pass")
     add("--ppo-epochs", type=count, default=1, help="optimizer steps on each sampled batch")
@@ -448,7 +490,7 @@ def add_training_args(parser):
     add("--loss-agg", default="token-mean", choices=["token-mean", "seq-mean", "seq-sum-norm"])
     add("--scale-rewards", default="group", choices=["group", "none"], help="none: Dr. GRPO")
     add("--filter-groups", action="store_true", help="drop groups whose rewards are all equal")
-    add("--eval-samples", type=count, default=8, help="samples per held-out problem")
+    add("--eval-samples", type=count, default=8, help="samples per evaluation problem")
     add("--eval-every", type=bounded(int, 0), default=0, help="also evaluate every N steps")
     add("--save-every", type=bounded(int, 0), default=0, help="save resume.pt every N steps")
     add("--resume", action="store_true", help="continue from --output-dir's resume.pt (same flags)")
@@ -463,20 +505,19 @@ def make_output_dir(path):
 def check_args(args, name):
     """What a flag's type cannot check alone; --output-dir's default, created."""
     args.output_dir = args.output_dir or os.path.join("runs", name)
-    if (args.prompts_per_step * args.group_size) % args.micro_batch:
-        die(f"--micro-batch {args.micro_batch} must divide --prompts-per-step x --group-size")
     if args.eval_k > args.eval_samples:
         die(f"--eval-k {args.eval_k} is larger than --eval-samples {args.eval_samples}")
     make_output_dir(args.output_dir)
 
 def run_cli(main):
-    """main() from the command line: out of memory is one line that says what to lower."""
+    """main() from the command line. Running out of memory is a one-line error that names the
+    flags to lower: MEMORY_FLAGS, which each script sets near its top."""
     try:
         main()
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
         if isinstance(err, RuntimeError) and "can't allocate memory" not in str(err):
             raise
-        die("out of memory: lower --micro-batch (or --group-size, --max-new-tokens, vLLM's share)")
+        die(f"out of memory: lower {MEMORY_FLAGS}, or vLLM's --gpu-memory-utilization")
 
 def autocast(device, dtype):
     """Matmuls in dtype; weights, norms and softmax in fp32 (torch's lists); float32: a no-op."""
@@ -536,9 +577,9 @@ def encode_prompt(tokenizer, question, system_prompt=None, template_kwargs=None)
 
 def check_chat_template(tokenizer, args):
     """Say at start that template flags change nothing, or that the prompt opens <think>."""
-    plain = encode_prompt(tokenizer, "1 + 1?", args.system_prompt)
+    without = encode_prompt(tokenizer, "1 + 1?", args.system_prompt)  # without the kwargs
     given = encode_prompt(tokenizer, "1 + 1?", args.system_prompt, args.chat_template_kwargs)
-    if args.chat_template_kwargs and plain == given:
+    if args.chat_template_kwargs and without == given:
         print("warning: --chat-template-kwargs changes nothing in the prompt", file=sys.stderr)
     if opens_think(tokenizer.decode(given)):
         print("note: the chat template opens <think> in the prompt, so each completion is scored "
@@ -564,7 +605,8 @@ def end_of_turn_id(tokenizer):
     checkpoint used with a chat template (Qwen's base models: EOS <|endoftext|>) does not stop at
     the end of its turn on its own, so the samplers add this token to their stop ids."""
     probe = "Fine, thank you."  # any reply: the template's text after it closes the turn
-    messages = [{"role": "user", "content": "How are you?"}, {"role": "assistant", "content": probe}]
+    messages = [{"role": "user", "content": "How are you?"},
+                {"role": "assistant", "content": probe}]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     after = text[text.rfind(probe) + len(probe):].lstrip()  # e.g. "<|im_end|>\n"
     ids = tokenizer(after, add_special_tokens=False)["input_ids"]
@@ -584,9 +626,9 @@ def check_prompt_lengths(tokenizer, problems, args, limit, which):
                 f"no room for a completion under --max-model-len {limit}")
     short = sum(length + args.max_new_tokens > limit for length in lengths)
     if short:
-        print(f"warning: {short} of {len(lengths)} {which} prompts leave less than --max-new-tokens "
-              f"{args.max_new_tokens} under --max-model-len {limit}: their completions end early",
-              file=sys.stderr)
+        print(f"warning: {short} of {len(lengths)} {which} prompts leave less than "
+              f"--max-new-tokens {args.max_new_tokens} under --max-model-len {limit}, so their "
+              "completions end early", file=sys.stderr)
 
 def pad(rows, value, left=False, dtype=torch.long):
     """Lists -> (values [B, width], mask [B, width]: 1 on real entries), padded right or left."""
@@ -637,13 +679,14 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsil
 class Sampler:
     """n completions per prompt by HF generate or vLLM: dicts of "ids" (cut after the first stop
     id, kept), "truncated" (no stop id), "sampler_logprobs" (vLLM's own, or None), prompt-major.
-    Plain softmax(logits / T) sampling, as the log-probs assume: of the checkpoint's
-    generation_config only the stop ids count."""
+    It samples with generate's arguments alone (the temperature, and top-p and top-k where a
+    caller passes them; the trainers pass neither, so their samples follow softmax(logits / T),
+    as their log-probs assume). Of the checkpoint's generation_config only the stop ids count."""
 
     def __init__(self, backend, model, tokenizer, engine=None, compute_dtype=torch.float32,
                  name="--model"):
         self.backend = backend  # "hf" or "vllm"
-        self.model = model  # the HF policy (HF backend), else None
+        self.model = model  # the HF model; None where only vLLM holds the weights (a search)
         self.tokenizer = tokenizer
         self.engine = engine  # the vLLM engine (vLLM backend), else None
         self.compute_dtype = compute_dtype
@@ -662,15 +705,15 @@ class Sampler:
         turn_end = end_of_turn_id(tokenizer)  # the prompts' template closes a turn with it
         if turn_end is not None and turn_end not in self.stop_ids:
             self.stop_ids.add(turn_end)
-            print(f"note: sampling {name} also stops at {tokenizer.convert_ids_to_tokens(turn_end)},"
-                  " which ends a turn in the chat template but is not the checkpoint's EOS",
-                  file=sys.stderr)
+            token = tokenizer.convert_ids_to_tokens(turn_end)
+            print(f"note: sampling {name} also stops at {token}, which ends a turn in the chat "
+                  "template but is not the checkpoint's EOS", file=sys.stderr)
         set_aside = {key: value for key, value in checkpoint.to_diff_dict().items()
                      if key in SAMPLING_FIELDS}
         if set_aside:
             settings = ", ".join(f"{key}={value}" for key, value in sorted(set_aside.items()))
-            print(f"note: sampling {name} ignores its generation_config's {settings}: plain "
-                  "softmax(logits / --temperature), what the log-probs assume", file=sys.stderr)
+            print(f"note: sampling {name} ignores its generation_config's {settings}; only this "
+                  "script's sampling flags apply", file=sys.stderr)
 
     def generate(self, prompts, n, max_new_tokens, temperature, top_p=1.0, top_k=0, **options):
         """options: vLLM's SamplingParams or HF generate's extra arguments (stopping_criteria)."""
@@ -694,20 +737,22 @@ class Sampler:
             return samples
         from transformers import GenerationConfig
         # generate() fills what a config leaves unset from model.generation_config: swapped too.
-        plain = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
+        config = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
                                  max_new_tokens=max_new_tokens, eos_token_id=sorted(self.stop_ids),
                                  pad_token_id=self.tokenizer.pad_token_id,
                                  num_return_sequences=n)
         ids, mask = pad(prompts, self.tokenizer.pad_token_id, left=True)  # [P, L]
-        checkpoint, self.model.generation_config = self.model.generation_config, plain
+        checkpoint, self.model.generation_config = self.model.generation_config, config
+        training = self.model.training  # restored below: a trainer around us may rely on it
         self.model.eval()
         try:
             with torch.no_grad(), autocast(self.model.device.type, self.compute_dtype):
                 out = self.model.generate(input_ids=ids.to(self.model.device),
                                           attention_mask=mask.to(self.model.device),
-                                          generation_config=plain, **options)  # [P * n, L + T]
+                                          generation_config=config, **options)  # [P * n, L + T]
         finally:
             self.model.generation_config = checkpoint
+            self.model.train(training)
         samples = []
         for row in out[:, ids.shape[1]:].tolist():
             completion, truncated = cut_at_eos(row, self.stop_ids)
@@ -732,12 +777,16 @@ def build_batch(prompts, completions, pad_id):
     return (torch.cat([prompt_ids, completion_ids], dim=1),
             torch.cat([prompt_mask, completion_mask], dim=1), completion_mask)
 
-LOGIT_CHUNK = 512  # tokens whose logits exist at once, fp32: 0.3 GB at V = 152,064 [our choice]
+# The output layer's logits of LOGIT_CHUNK tokens exist at once, in fp32: 0.3 GB at a vocabulary
+# of 152,064 (Qwen's), against 0.6 MB per completion token if all were kept. [our choice]
+LOGIT_CHUNK = 512
 
 def token_logprobs(model, ids, attention_mask, num_completion_tokens, temperature, micro_batch,
                    with_entropy=False, compute_dtype=torch.float32):
     """log pi(y_t | x, y_<t) of each row's last T = num_completion_tokens tokens [B, T] (fp32), and
-    the entropies [B, T] (no grad) when asked, else None. Weights stay fp32 under bf16 autocast."""
+    the entropies [B, T] (no grad) when asked, else None. The model's body runs micro_batch rows
+    at a time; its output layer runs in hidden_logprobs. Weights stay fp32 under bf16 autocast,
+    which would round small updates away if they were bf16."""
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding shifts nothing
     hidden = []  # per micro-batch: the last layer's states [b, T, d]; state t predicts token t + 1
     for rows in torch.arange(len(ids)).split(micro_batch):  # the rows of each micro-batch
@@ -749,20 +798,48 @@ def token_logprobs(model, ids, attention_mask, num_completion_tokens, temperatur
                            with_entropy, compute_dtype)
 
 def hidden_logprobs(model, hidden, targets, temperature, with_entropy, compute_dtype):
-    """token_logprobs from the states [B, T, d] that predict targets [B, T]: the head (the output
-    embedding alone: no soft-cap or logit scale after it) and a selective log-softmax, LOGIT_CHUNK
-    tokens at a time, rerun in the backward pass (checkpoint), which keeps no logits [B, T, V]."""
+    """From the last layer's states [B, T, d] to the log-probs of targets [B, T] (and entropies),
+    LOGIT_CHUNK tokens at a time. Each chunk's logits [B, c, V] are made, used and freed, and
+    torch.utils.checkpoint makes them again in the backward pass, so that the backward pass keeps
+    the states [B, T, d] and never the logits of every token in fp32."""
     def chunk(states, tokens):  # [B, c, d], [B, c] -> log-probs [B, c], entropies [B, c] or None
-        with autocast(model.device.type, compute_dtype):  # per chunk: weight gradients add in fp32
-            scaled = model.get_output_embeddings()(states).float() / temperature  # z/T [B, c, V]
-        log_norm = torch.logsumexp(scaled, dim=-1)  # [B, c]
-        logp = scaled.gather(-1, tokens[..., None]).squeeze(-1) - log_norm  # z_y/T - logsumexp(z/T)
-        with torch.no_grad():  # H = logsumexp(z / T) - sum_v p_v z_v / T, not recomputed
-            return logp, log_norm - (scaled.softmax(-1) * scaled).sum(-1) if with_entropy else None
-    width = max(1, LOGIT_CHUNK // len(hidden))  # positions per chunk, LOGIT_CHUNK tokens in all
-    logp, entropy = zip(*(torch.utils.checkpoint.checkpoint(chunk, *part, use_reentrant=False)
-                          for part in zip(hidden.split(width, 1), targets.split(width, 1))))
-    return torch.cat(logp, 1), torch.cat(entropy, 1) if with_entropy else None  # [B, T]
+        with autocast(model.device.type, compute_dtype):  # the weights' gradients add up in fp32
+            scaled = output_logits(model, states).float() / temperature  # z / T   [B, c, V]
+        log_norm = torch.logsumexp(scaled, dim=-1)  # log sum_v exp(z_v / T)   [B, c]
+        logp = scaled.gather(-1, tokens[..., None]).squeeze(-1) - log_norm  # z_y / T - log_norm
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():  # H = log_norm - sum_v p_v z_v / T
+                entropy = log_norm - (scaled.softmax(-1) * scaled).sum(-1)  # [B, c]
+        return logp, entropy
+    width = max(1, LOGIT_CHUNK // len(hidden))  # positions per chunk: LOGIT_CHUNK tokens in all
+    parts = [torch.utils.checkpoint.checkpoint(chunk, states, tokens, use_reentrant=False)
+             for states, tokens in zip(hidden.split(width, 1), targets.split(width, 1))]
+    logp = torch.cat([part[0] for part in parts], 1)  # [B, T]
+    return logp, torch.cat([part[1] for part in parts], 1) if with_entropy else None
+
+def output_logits(model, hidden):
+    """The logits [..., V] of last-layer states [..., d], as the model's own forward computes them:
+    its output layer, then the scaling or soft-capping that some families add (Cohere's
+    logit_scale, Granite's logits_scaling, Gemma 2's final_logit_softcapping)."""
+    config = model.config.get_text_config()
+    logits = model.get_output_embeddings()(hidden)
+    logits = logits * getattr(config, "logit_scale", 1.0) / getattr(config, "logits_scaling", 1.0)
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        logits = cap * torch.tanh(logits / cap)  # z = cap tanh(z / cap)
+    return logits
+
+def check_output_logits(model):
+    """A one-line error at start if output_logits does not give the model's own logits: a family
+    that changes them some other way would otherwise train on wrong log-probs without a word."""
+    ids = torch.tensor([[1, 2, 3, 4]], device=model.device)
+    with torch.no_grad():
+        ours = output_logits(model, model.base_model(input_ids=ids).last_hidden_state)
+        theirs = model(input_ids=ids).logits  # [1, 4, V]
+    if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4):
+        die(f"{type(model).__name__} changes its logits after its output layer in a way this "
+            "script does not reproduce, so its log-probs would be wrong")
 
 def evaluate(sampler, tokenizer, problems, args, prompt_chunk=8):
     """pass@1 (mean accuracy of --eval-samples samples) and unbiased pass@k on held-out problems."""
@@ -838,6 +915,7 @@ class Run:
         engine = (create_vllm_engine(args.model, args, self.compute_dtype)
                   if args.backend == "vllm" else None)  # before the policy: it sizes memory first
         self.model, self.tokenizer = load_model(args.model, torch.float32, self.device)  # master
+        check_output_logits(self.model)  # the log-probs' output layer reproduces the model's
         self.ref_model = (load_model(args.model, self.compute_dtype, self.device)[0].eval()
                           .requires_grad_(False) if args.beta > 0 else None)  # frozen: KL only
         check_chat_template(self.tokenizer, args)

@@ -574,8 +574,10 @@ def close_cut_off(text):
     return text[:end] + closing
 
 # ============================================================================= plumbing
-# The same in every script that has it (tests/test_consistency.py checks): read it once here and
-# skip it in passk.py, w2spo.py, sampling_evolve.py; rse_search.py has only what a search needs.
+# Below this line is the plumbing: loading models and data, sampling, log-probs, evaluation,
+# checkpoints and errors. It is the same, word for word, in every trainer (tests/test_consistency.py
+# checks it), so a reader who has read it in one script can skip it in the others; rse_search.py, a
+# search, carries only the definitions it needs.
 def die(message):
     """A one-line error for bad input, no traceback."""
     raise SystemExit(f"error: {message}")
@@ -606,6 +608,7 @@ def json_object(text):
     return value
 
 count = bounded(int, 1)  # the argparse types of most flags
+
 positive = bounded(float, 0, True)
 
 def add_common_args(parser):
@@ -613,23 +616,27 @@ def add_common_args(parser):
     parser.error = die
     add = parser.add_argument
     add("--model", default="smollm2-135m", help="'smollm2-135m' (offline), a folder or a hub name")
-    add("--dataset", default="arith", help="'arith', 'arith-steps' or a JSONL file of problems")
-    add("--eval-dataset", help="held-out problems (default: the test split of --dataset)")
+    add("--dataset", default="arith",
+        help="'arith', 'arith-steps' or a JSONL file of problems (default: %(default)s)")
+    add("--eval-dataset", help="evaluation problems (default: the test split of --dataset)")
     add("--question-field", default="question", help="JSONL field holding the question")
     add("--answer-field", default="answer", help="JSONL field holding the gold answer")
-    add("--system-prompt", help="system message (default: none, or the chat template's own)")
+    add("--system-prompt", help="system message (default: none, so the chat template's own)")
     add("--chat-template-kwargs", type=json_object, default={}, metavar="JSON",
         help="passed to the chat template, e.g. '{\"enable_thinking\": false}' for Qwen3")
-    add("--max-new-tokens", type=count, default=32, help="completion length limit")
-    add("--temperature", type=positive, default=1.0, help="sampling temperature (log-probs too)")
+    add("--max-new-tokens", type=count, default=32,
+        help="completion length limit (default: %(default)s)")
+    add("--temperature", type=positive, default=1.0,
+        help="sampling temperature, which a trainer's log-probs use too (default: %(default)s)")
     add("--dtype", default="auto", choices=["float32", "bfloat16"], type=compute_dtype_name,
-        help="compute precision (auto: bf16 on a GPU, fp32 on a CPU); weights stay fp32")
+        help="compute precision (auto: bf16 on a GPU, fp32 on a CPU); trained weights stay fp32")
     add("--backend", default="hf", choices=["hf", "vllm"], help="sampler: HF generate or vLLM")
     add("--gpu-memory-utilization", type=positive, help="vLLM: its share of GPU memory (0.3)")
     add("--max-model-len", type=count, help="vLLM: longest prompt + completion")
-    add("--eval-problems", type=count, default=48, help="held-out problems")
+    add("--eval-problems", type=count, default=48,
+        help="how many evaluation problems (default: %(default)s)")
     add("--eval-k", type=count, default=4, help="k of the reported pass@k")
-    add("--output-dir", help="logs and checkpoints (default: runs/<script>)")
+    add("--output-dir", help="where the logs and any checkpoints go (default: runs/<script>)")
     add("--seed", type=bounded(int, 0), default=0, help="the same seed, on a CPU: the same run")
 
 def make_output_dir(path):
@@ -640,13 +647,14 @@ def make_output_dir(path):
         die(f"--output-dir {path}: cannot create it ({err.strerror})")
 
 def run_cli(main):
-    """main() from the command line: out of memory is one line that says what to lower."""
+    """main() from the command line. Running out of memory is a one-line error that names the
+    flags to lower: MEMORY_FLAGS, which each script sets near its top."""
     try:
         main()
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
         if isinstance(err, RuntimeError) and "can't allocate memory" not in str(err):
             raise
-        die("out of memory: lower --micro-batch (or --group-size, --max-new-tokens, vLLM's share)")
+        die(f"out of memory: lower {MEMORY_FLAGS}, or vLLM's --gpu-memory-utilization")
 
 def autocast(device, dtype):
     """Matmuls in dtype; weights, norms and softmax in fp32 (torch's lists); float32: a no-op."""
@@ -706,9 +714,9 @@ def encode_prompt(tokenizer, question, system_prompt=None, template_kwargs=None)
 
 def check_chat_template(tokenizer, args):
     """Say at start that template flags change nothing, or that the prompt opens <think>."""
-    plain = encode_prompt(tokenizer, "1 + 1?", args.system_prompt)
+    without = encode_prompt(tokenizer, "1 + 1?", args.system_prompt)  # without the kwargs
     given = encode_prompt(tokenizer, "1 + 1?", args.system_prompt, args.chat_template_kwargs)
-    if args.chat_template_kwargs and plain == given:
+    if args.chat_template_kwargs and without == given:
         print("warning: --chat-template-kwargs changes nothing in the prompt", file=sys.stderr)
     if opens_think(tokenizer.decode(given)):
         print("note: the chat template opens <think> in the prompt, so each completion is scored "
@@ -734,7 +742,8 @@ def end_of_turn_id(tokenizer):
     checkpoint used with a chat template (Qwen's base models: EOS <|endoftext|>) does not stop at
     the end of its turn on its own, so the samplers add this token to their stop ids."""
     probe = "Fine, thank you."  # any reply: the template's text after it closes the turn
-    messages = [{"role": "user", "content": "How are you?"}, {"role": "assistant", "content": probe}]
+    messages = [{"role": "user", "content": "How are you?"},
+                {"role": "assistant", "content": probe}]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     after = text[text.rfind(probe) + len(probe):].lstrip()  # e.g. "<|im_end|>\n"
     ids = tokenizer(after, add_special_tokens=False)["input_ids"]
@@ -791,13 +800,14 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsil
 class Sampler:
     """n completions per prompt by HF generate or vLLM: dicts of "ids" (cut after the first stop
     id, kept), "truncated" (no stop id), "sampler_logprobs" (vLLM's own, or None), prompt-major.
-    Plain softmax(logits / T) sampling, as the log-probs assume: of the checkpoint's
-    generation_config only the stop ids count."""
+    It samples with generate's arguments alone (the temperature, and top-p and top-k where a
+    caller passes them; the trainers pass neither, so their samples follow softmax(logits / T),
+    as their log-probs assume). Of the checkpoint's generation_config only the stop ids count."""
 
     def __init__(self, backend, model, tokenizer, engine=None, compute_dtype=torch.float32,
                  name="--model"):
         self.backend = backend  # "hf" or "vllm"
-        self.model = model  # the HF policy (HF backend), else None
+        self.model = model  # the HF model; None where only vLLM holds the weights (a search)
         self.tokenizer = tokenizer
         self.engine = engine  # the vLLM engine (vLLM backend), else None
         self.compute_dtype = compute_dtype
@@ -816,15 +826,15 @@ class Sampler:
         turn_end = end_of_turn_id(tokenizer)  # the prompts' template closes a turn with it
         if turn_end is not None and turn_end not in self.stop_ids:
             self.stop_ids.add(turn_end)
-            print(f"note: sampling {name} also stops at {tokenizer.convert_ids_to_tokens(turn_end)},"
-                  " which ends a turn in the chat template but is not the checkpoint's EOS",
-                  file=sys.stderr)
+            token = tokenizer.convert_ids_to_tokens(turn_end)
+            print(f"note: sampling {name} also stops at {token}, which ends a turn in the chat "
+                  "template but is not the checkpoint's EOS", file=sys.stderr)
         set_aside = {key: value for key, value in checkpoint.to_diff_dict().items()
                      if key in SAMPLING_FIELDS}
         if set_aside:
             settings = ", ".join(f"{key}={value}" for key, value in sorted(set_aside.items()))
-            print(f"note: sampling {name} ignores its generation_config's {settings}: plain "
-                  "softmax(logits / --temperature), what the log-probs assume", file=sys.stderr)
+            print(f"note: sampling {name} ignores its generation_config's {settings}; only this "
+                  "script's sampling flags apply", file=sys.stderr)
 
     def generate(self, prompts, n, max_new_tokens, temperature, top_p=1.0, top_k=0, **options):
         """options: vLLM's SamplingParams or HF generate's extra arguments (stopping_criteria)."""
@@ -848,20 +858,22 @@ class Sampler:
             return samples
         from transformers import GenerationConfig
         # generate() fills what a config leaves unset from model.generation_config: swapped too.
-        plain = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
+        config = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
                                  max_new_tokens=max_new_tokens, eos_token_id=sorted(self.stop_ids),
                                  pad_token_id=self.tokenizer.pad_token_id,
                                  num_return_sequences=n)
         ids, mask = pad(prompts, self.tokenizer.pad_token_id, left=True)  # [P, L]
-        checkpoint, self.model.generation_config = self.model.generation_config, plain
+        checkpoint, self.model.generation_config = self.model.generation_config, config
+        training = self.model.training  # restored below: a trainer around us may rely on it
         self.model.eval()
         try:
             with torch.no_grad(), autocast(self.model.device.type, self.compute_dtype):
                 out = self.model.generate(input_ids=ids.to(self.model.device),
                                           attention_mask=mask.to(self.model.device),
-                                          generation_config=plain, **options)  # [P * n, L + T]
+                                          generation_config=config, **options)  # [P * n, L + T]
         finally:
             self.model.generation_config = checkpoint
+            self.model.train(training)
         samples = []
         for row in out[:, ids.shape[1]:].tolist():
             completion, truncated = cut_at_eos(row, self.stop_ids)

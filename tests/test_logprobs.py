@@ -189,3 +189,30 @@ def test_the_backward_keeps_no_logits(dtype):
     chunked = saved_bytes_per_token(grpo.token_logprobs, model, vocab, dtype)
     assert reference - body >= 4 * vocab
     assert chunked - body <= 4 * width + 8
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite"])
+def test_the_output_layer_adds_what_the_family_adds_after_it(kind):
+    """Gemma 2 soft-caps its logits, Cohere and Granite scale them: the chunks reproduce each, so
+    the log-probs are the model's own, and the start-up check passes."""
+    import transformers as tf
+    torch.manual_seed(0)
+    shared = dict(vocab_size=103, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    config = {"gemma2": lambda: tf.Gemma2Config(**shared, final_logit_softcapping=0.5),
+              "cohere": lambda: tf.CohereConfig(**shared, logit_scale=0.25),
+              "granite": lambda: tf.GraniteConfig(**shared, logits_scaling=4.0)}[kind]()
+    model = tf.AutoModelForCausalLM.from_config(config).float().eval()
+    grpo.check_output_logits(model)
+    logp_gap, entropy_gap, grad_gap = compare(model, rows(), torch.float32, micro_batch=3)
+    assert logp_gap < FP32_LOGP and entropy_gap < FP32_LOGP and grad_gap < FP32_GRAD
+
+
+def test_a_logit_change_it_does_not_know_is_refused_at_start():
+    """A model whose config claims a scale its forward never applies stands in for a family that
+    changes its logits some other way: one line, before any training."""
+    model = tiny("llama")
+    model.config.logit_scale = 0.5  # LlamaForCausalLM ignores it; output_logits would apply it
+    with pytest.raises(SystemExit) as err:
+        grpo.check_output_logits(model)
+    assert str(err.value).startswith("error: LlamaForCausalLM changes its logits")
