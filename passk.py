@@ -81,11 +81,13 @@ import verifier
 MEMORY_FLAGS = "--micro-batch, --group-size or --max-new-tokens"
 
 def parse_args(argv=None):
+    """The flags, all shared with the other trainers. add_common_args and add_training_args are in
+    the plumbing at the end of the file, with the flags' types and checks."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # see the docstring
-    add_common_args(parser)
-    add_training_args(parser)  # GRPO's own among them: --scale-rewards, --eps-*, --loss-agg, --beta
-    # add_common_args, add_training_args (the shared flags), bounded (a number type with limits)
-    # and die (a one-line error, no traceback) are defined in the plumbing below the marker.
+    add_common_args(parser)  # the model, the data, sampling, evaluation, the output folder
+    add_training_args(parser)  # the loop and the update: --lr, --eps-*, --loss-agg, --beta, ...
+    # Then this method's own flags. bounded (a number type with limits) and die (a one-line
+    # error, no traceback) are in the plumbing too.
     add = parser.add_argument
     add("--k", type=bounded(int, 1), default=4, help="subset size: the k of the Pass@k reward")
     add("--passk-mode", default="analytic", choices=["analytic", "bootstrap", "full"],

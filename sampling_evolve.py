@@ -29,37 +29,10 @@ wrong. S holds the latest attempt of each answer in random order ("It is 35", "3
 know"), and E(x, S) rules out 35 and 36. In training, a right child replaces the group's last
 sample, and the rewards [0, 0, 0, 1] give A = [-0.58, -0.58, -0.58, 1.73] instead of zeros.
 
-Train mode's update is GRPO's, as grpo.py describes it:
-For every prompt x, sample a group of G completions y_1..y_G from the current policy, score each
-with the verifier (reward r_i in {0, 1}) and push up the completions that beat their group:
-
-    A_i = (r_i - mean(r)) / (std(r) + 1e-4)     --scale-rewards group (std divides by G, not G - 1)
-    A_i =  r_i - mean(r)                        --scale-rewards none (Dr. GRPO)
-
-Every token of y_i gets A_i. A group whose rewards are all equal has A = 0 and teaches nothing
-(frac_zero_std in metrics.jsonl); --filter-groups drops such groups (DAPO's dynamic sampling,
-without refilling the batch). Sources: DeepSeekMath (GRPO); DAPO (Decoupled clip and Dynamic
-sAmpling Policy Optimization: clip-higher, eps_high > eps_low, and the token-level loss); Dr. GRPO
-(GRPO Done Right: no std, no length normalisation). To carry GRPO into another trainer, copy
-group_advantages, policy_loss and aggregate_loss; train_step shows how they are called.
-
-The update (policy_loss, aggregate_loss, train_step):
-    rho_i,t = pi_theta(y_i,t | x, y_i,<t) / pi_old(y_i,t | x, y_i,<t)
-    l_i,t   = -min(rho_i,t A_i, clip(rho_i,t, 1 - eps_low, 1 + eps_high) A_i)   --eps-low/high
-              + beta (exp(ref - logp) - (ref - logp) - 1)        --beta: k3 KL to the start (0: off)
-  summed into one number by --loss-agg:
-    token-mean    sum over the batch's tokens / their number               (DAPO, the default)
-    seq-mean      mean over each sequence's tokens, then over sequences    (original GRPO)
-    seq-sum-norm  sum / (number of sequences x --max-new-tokens)           (Dr. GRPO)
-  k3, Schulman's third estimator of the Kullback-Leibler divergence KL(pi_theta || pi_ref), is
-  unbiased as a value on tokens pi_theta sampled; as a loss its gradient is that of KL(pi_ref ||
-  pi_theta), the reverse direction (as in TRL and verl). Our A_i is sqrt(G / (G - 1)) times TRL's
-  and verl's (their std divides by G - 1). [our choice] pi_old is the sampling policy as the trainer
-  computes it (--ppo-epochs 1: ratio 1, pi_old = logp.detach()); vLLM's own log-probs only check the
-  weight sync (logp_mismatch_*). A completion with A = 0 and no KL has no gradient: it is not
-  forwarded but counts in the normalisers (with beta = 0, --filter-groups only rescales the loss);
-  clip_frac_trained and entropy_trained (metrics.jsonl) cover the forwarded rows only. Weights and
-  AdamW state are float32; --dtype is the compute precision.
+Train mode's update is grpo.py's, word for word (GRPO: Group Relative Policy Optimization, with
+DAPO's and Dr. GRPO's options); group_advantages, policy_loss, aggregate_loss and train_step below
+explain it beside their code. A rescued child is trained as an answer to x, although it was
+sampled from pi_theta(.|E): in effect, fine-tuning on a right answer found off-policy.
 
 Run:
     python sampling_evolve.py                           # train: GRPO + rescue of all-wrong groups
@@ -87,11 +60,12 @@ import verifier
 # What to lower when memory runs out, in the one-line error of run_cli (in the plumbing).
 MEMORY_FLAGS = "--micro-batch, --group-size, --children or --max-new-tokens"
 
-# The shared flags (add_*_args) and the one-line errors (bounded, die) come from the plumbing below.
 def parse_args(argv=None):
+    """The flags, all shared with the other trainers. add_common_args and add_training_args are in
+    the plumbing at the end of the file, with the flags' types and checks."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # see the docstring
-    add_common_args(parser)
-    add_training_args(parser)  # GRPO's own among them: --scale-rewards, --eps-*, --loss-agg, --beta
+    add_common_args(parser)  # the model, the data, sampling, evaluation, the output folder
+    add_training_args(parser)  # the loop and the update: --lr, --eps-*, --loss-agg, --beta, ...
     parser.epilog = ("--steps defaults to 10 here (12 in grpo.py). tokens_read and --budget-counts "
                      "read+written count evolution's prompts too.")
     parser.set_defaults(steps=10)  # [our choice] evolution samples more, so a run takes fewer steps
