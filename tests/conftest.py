@@ -1,5 +1,6 @@
 """Shared fixtures: the repo root on sys.path and a tiny random-weight model built offline; the order
 of the tests for `-n 2` (pytest-xdist: two workers, as CI and the README run the suite)."""
+import gc
 import os
 import string
 import sys
@@ -34,6 +35,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs CUDA (python -m pytest tests/ -m cuda)")
     if getattr(config.option, "maxschedchunk", "absent") is None:
         config.option.maxschedchunk = 1
+
+
+@pytest.fixture(autouse=True)
+def no_vllm_engine_outlives_its_test():
+    """A vLLM engine that a run left behind shuts vLLM's process-wide state down whenever the
+    garbage collector gets to it, which breaks any engine made after it in the same worker. Once
+    vLLM is loaded, each test's engines are collected before the next test starts."""
+    yield
+    if "vllm" in sys.modules:
+        gc.collect()
 
 
 def pytest_collection_modifyitems(items):
