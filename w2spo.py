@@ -1,76 +1,55 @@
 """W2SPO: weak-to-strong off-policy reinforcement learning through auxiliary branches, in one file.
 
-Wang et al., "It Takes 8 Tokens: Weak-to-Strong Off-Policy RL via Auxiliary Branches" (arXiv
-2607.16205). On a hard prompt the G samples (--group-size) often fall into one wrong "reasoning
-basin": equal rewards, no signal. A weaker auxiliary model diverts the target in the middle of its
-reasoning; the target finishes from there. Per prompt x (steps as in sample_groups and main):
+The problem: GRPO (Group Relative Policy Optimization, grpo.py) learns only from a group of G
+samples whose rewards differ. On a hard problem the target model's samples tend to fall into the
+same wrong line of reasoning, so that the whole group is wrong and teaches nothing.
 
- 1. q           ~ pi_theta(. | x)        one target prefix rollout; n: its tokens before its stop id
- 2. b           in [LOW n, HIGH n], 1 <= b <= n - 1   the branch point (--branch-at, --branch-range)
-    s           = x + q[:b]              the state; a prompt with no b is skipped: K of P kept
- 3. y_1..y_Bt   ~ pi_theta(. | s)        B_t = G - B_a target branches of <= L tokens (--branch-len)
-    y_Bt+1..y_G ~ pi_aux(. | s)          B_a auxiliary branches (--aux-model, --aux-branches)
- 4. c_i         ~ pi_theta(. | s, y_i)   the target continues (not after a stop id in y_i)
- 5. r_i         = reward(q[:b] + y_i + c_i)     the group of G branches. 6. Advantages:
-    A_i = (r_i - mean(r)) / (std(r) + 1e-4)     --scale-rewards group (std divides by G, not G - 1)
-    A_i =  r_i - mean(r)                        --scale-rewards none (Dr. GRPO)
+The idea (Wang et al., "It Takes 8 Tokens: Weak-to-Strong Off-Policy RL via Auxiliary Branches",
+arXiv 2607.16205, which never spells out W2SPO; we read it as weak-to-strong policy optimization):
+a weaker, cheaper auxiliary model diverts the target in the middle of its reasoning with a branch
+of a few tokens, and the target finishes the solution from there. The branches of both models from
+one state form a group, the verifier scores each finished solution, and only the branch tokens are
+trained. The auxiliary's tokens are off-policy, since the target did not sample them, so their
+loss carries an importance weight w.
 
-Every token of y_i gets A_i. A group whose rewards are all equal has A = 0 and teaches nothing
-(frac_zero_std in metrics.jsonl); --filter-groups drops such groups (DAPO's dynamic sampling,
-without refilling the batch). Sources: DeepSeekMath (GRPO); DAPO (Decoupled clip and Dynamic
-sAmpling Policy Optimization: clip-higher, eps_high > eps_low, and the token-level loss); Dr. GRPO
-(GRPO Done Right: no std, no length normalisation). To carry W2SPO into another GRPO trainer, copy
-Branch, branch_candidates, sample_within, sample_groups (steps 1-5), state_logprobs (one forward
-per state), branch_logprobs, load_aux, score_aux_branches, importance_weights, policy_loss,
-branch_stats (the logged measures); see train_step's lines from "W2SPO" to aggregate_loss, and
-main.
+Notation:
+    x, q       a prompt and the target's prefix rollout of it; |q|, q's tokens before its stop id
+    m          the branch point: the state s = x + q[:m] keeps the rollout's first m tokens
+    y_i, c_i   the i-th branch from s (at most --branch-len tokens), and the target's continuation
+    B_t, B_a   the target's and the auxiliary's branches per state (--aux-branches); G = B_t + B_a
+    r_i        the verifier's reward of the completion q[:m] + y_i + c_i: 1 if it is right, else 0
+    A_i        the advantage of y_i, which every token of y_i shares
+    pi_theta   the target being trained; pi_old, the target that sampled; pi_aux, the auxiliary
+    w, v, C    an auxiliary token's weights in the loss and its KL penalty; their cap, --is-cap
+    P          the prompts of one optimizer step (--prompts-per-step)
+    K          the prompts of a step whose rollout has a branch point; only they form groups
 
-Only branch tokens y_i are trained, the target's and the auxiliary's alike (the paper's "updates
-restricted to the inserted segments" may mean the auxiliary's alone: no flag here); the paper's
-target-only ablation is --aux-branches 0. Worked example, G = 4, B_t = B_a = 2, L = 8, "What is
-17 + 25?". The prefix rollout "17 + 25 = 17 + 20 + 5 = 37 + 5 = 32. The answer is 32."
-(n = 36 tokens) branches at b = 25, after "37 + 5 =". Target branches: " 32. So the answer is" and
-" 32, and the answer is"; auxiliary ones: " 42. So the answer is" and " 42, which is the answer".
-The target completes them: rewards [0, 0, 1, 1], A = [-1, -1, 1, 1]. The 16 auxiliary tokens are
-pushed up, the 16 target branch tokens down; the target's branches alone were an all-wrong group.
-S2L-PO (arXiv 2605.30789), by contrast, mixes whole small-model rollouts into GRPO groups.
+Steps, once per optimizer step (main):
+  1. Sample one prefix rollout q ~ pi_theta(. | x) for each of the P prompts (sample_groups: 1-5).
+  2. Pick a branch point m in [LOW |q|, HIGH |q|] (--branch-range, --branch-at) and below |q|, so
+     that the target has not finished at s; a prompt with no such m is skipped.
+  3. Sample B_t branches y_i ~ pi_theta(. | s) and B_a branches y_i ~ pi_aux(. | s).
+  4. Let the target continue each branch, c_i ~ pi_theta(. | s, y_i), unless y_i wrote a stop id.
+  5. Score r_i, and A_i = (r_i - mean(r)) / (std(r) + 1e-4) within the group   (group_advantages)
+  6. Take one optimizer step on the branch tokens alone, the target's and the auxiliary's alike,
+     each auxiliary token's loss times w   (importance_weights, policy_loss, train_step)
 
-The update (policy_loss, aggregate_loss, train_step):
-    rho_i,t = pi_theta(y_i,t | x, y_i,<t) / pi_old(y_i,t | x, y_i,<t)
-    l_i,t   = -w_i,t min(rho_i,t A_i, clip(rho_i,t, 1 - eps_low, 1 + eps_high) A_i)   --eps-low/high
-              + beta v_i,t (exp(ref - logp) - (ref - logp) - 1)  --beta: k3 KL to the start (0: off)
-  summed into one number by --loss-agg:
-    token-mean    sum over the batch's tokens / their number               (DAPO, the default)
-    seq-mean      mean over each sequence's tokens, then over sequences    (original GRPO)
-    seq-sum-norm  sum / (number of sequences x --branch-len)               (Dr. GRPO)
-  k3, Schulman's third estimator of the Kullback-Leibler divergence KL(pi_theta || pi_ref), is
-  unbiased as a value on tokens pi_theta sampled; as a loss its gradient is that of KL(pi_ref ||
-  pi_theta), the reverse direction (as in TRL and verl). Our A_i is sqrt(G / (G - 1)) times TRL's
-  and verl's (their std divides by G - 1). [our choice] pi_old is the sampling policy as the trainer
-  computes it (--ppo-epochs 1: ratio 1, pi_old = logp.detach()); vLLM's own log-probs only check the
-  weight sync (logp_mismatch_*). A completion with A = 0 and no KL has no gradient: it is not
-  forwarded but counts in the normalisers (with beta = 0, --filter-groups only rescales the loss);
-  clip_frac_trained and entropy_trained (metrics.jsonl) cover the forwarded rows only. Weights and
-  AdamW state are float32; --dtype is the compute precision.
-  W2SPO, x the state s: a target token has w = v = 1. An auxiliary token is off-policy: pi_aux
-  (at --aux-temperature) sampled it, not pi_old. --aux-is (IS: importance sampling) sets its w:
-    truncated  w = min(pi_old / pi_aux, C), the default, C = --is-cap 2 (verl's truncated IS)
-    branch     w = min(prod_t pi_old / pi_aux, C), one weight per branch
-    clip       w = 1, rho = pi_theta / pi_aux. A token with rho > 1 + eps_high and A > 0 gets no
-               gradient; one with rho >> 1 and A < 0 an unbounded one (--dual-clip c bounds its
-               loss by -c A: the dual-clip PPO, proximal policy optimization, of Ye et al. 2020)
-    none       w = 1: as if the target had sampled it (S2L-PO's code)
-  and v = min(pi_old / pi_aux, C) (1 under none): k3 estimates KL only on tokens pi_theta sampled.
-  The per-token weight is an approximation: the branch's earlier tokens, and so the reward, came
-  from pi_aux too; branch weighs the whole branch (more variance).
+Worked example, G = 4 with B_t = B_a = 2, on "What is 17 + 18? Add them step by step, then give the
+final number." (gold 35). The prefix rollout "17 + 18 = 17 + 10 + 8 = 27 + 8 = 34. The final number
+is 34." has |q| = 37 tokens (SmolLM2 writes one token per digit), so at the default range 0.2 0.8
+m lies in [8, 29]; say m = 25, just after "27 + 8 =". The target's branches " 34. So the final
+number" and " 34, and the final number" (8 tokens each) repeat its slip; the auxiliary's " 35. So
+the final number" and " 35, and the final number" do not. The target continues each with " is 34."
+or " is 35.", so r = [0, 0, 1, 1] and A = [-1, -1, 1, 1]. The 16 auxiliary tokens are pushed up and
+the 16 target tokens down, where the target's branches alone would have made an all-wrong group.
+How hard each auxiliary token is pushed depends on w, which importance_weights discusses.
 
-[our choice] (the paper's method section is not available; each is a flag):
-  * one prefix rollout per prompt, not a group member; B_a = G - G // 2 (G/2 rounded up).
-  * --branch-at uniform, or entropy (the highest-entropy position in the range, as TreeRL and FR3E).
-  * no --aux-model: a frozen copy of the starting --model, hotter (--aux-temperature 1.3) so that
-    it differs, stands in for a smaller model of the same family (one offline model exists here).
-  * q[:b] + y_i + c_i fits in --max-new-tokens: after a late b, c_i is short (truncated_frac).
-  * the task is arith-steps (verifier.py): working to branch into, not a 2-token answer.
+The update is grpo.py's, with the options of DAPO (Decoupled clip and Dynamic sAmpling Policy
+Optimization) and Dr. GRPO; group_advantages, policy_loss, aggregate_loss and train_step below
+explain it beside their code, and importance_weights explains what W2SPO adds. The source's method
+section was not available, so every step above that its abstract does not fix is [our choice],
+marked beside its code and switchable by a flag. S2L-PO (arXiv 2605.30789), by contrast, mixes
+whole rollouts of a small model into GRPO groups.
 
 Run:
     python w2spo.py                     # offline default: SmolLM2-135M-Instruct and a frozen copy
@@ -99,26 +78,34 @@ import verifier
 MEMORY_FLAGS = "--micro-batch, --group-size, --branch-len or --max-new-tokens"
 
 def parse_args(argv=None):
+    """The flags of every trainer, then W2SPO's own. add_common_args and add_training_args are in
+    the plumbing at the end of the file, with the flags' types and checks."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # see the docstring
-    add_common_args(parser)
-    add_training_args(parser)  # GRPO's own among them: --scale-rewards, --eps-*, --loss-agg, --beta
+    add_common_args(parser)  # the model, the data, sampling, evaluation, the output folder
+    add_training_args(parser)  # the loop and the update: --lr, --eps-*, --loss-agg, --beta, ...
+    # Then this method's own flags. bounded and positive (number types with limits) and die (a
+    # one-line error, no traceback) are in the plumbing too.
     add = parser.add_argument
     add("--aux-model", help="frozen auxiliary, the target's vocabulary (default: --model's copy)")
     add("--aux-temperature", type=positive, help="default 1.3 for the copy, else --temperature")
     add("--aux-branches", type=bounded(int, 0), help="B_a (default: G / 2 rounded up)")
-    add("--branch-len", type=bounded(int, 1), default=8, help="L: tokens per branch (trained)")
+    add("--branch-len", type=bounded(int, 1), default=8, help="tokens per branch (trained)")
     add("--branch-at", default="uniform", choices=["uniform", "entropy"], help="branch point")
     add("--branch-range", type=float, nargs=2, default=[0.2, 0.8], metavar=("LOW", "HIGH"),
         help="where a branch may start, in fractions of the prefix rollout (before its stop id)")
     add("--aux-is", default="truncated", choices=["truncated", "branch", "clip", "none"],
-        help="importance sampling of auxiliary tokens (docstring; the README measures them)")
+        help="the importance weight of auxiliary tokens (see importance_weights in w2spo.py)")
     add("--is-cap", type=positive, default=2.0, help="C: caps w (truncated, branch) and v (--beta)")
-    add("--dual-clip", type=bounded(float, 1, True), help="c: loss at most -c A where A < 0 (off)")
+    add("--dual-clip", type=bounded(float, 1, True),
+        help="where A < 0, cap each token's loss at this times |A| (default: off)")
+    # [our choice] arith-steps (verifier.py) asks for the working, so that a completion has a
+    # middle to branch into, which needs more new tokens than arith's bare answer. The other
+    # defaults size the README's default run; --help shows them all.
     parser.set_defaults(dataset="arith-steps", max_new_tokens=48, steps=10, lr=3e-5,
-                        eval_problems=32)  # this method's task (docstring)
+                        eval_problems=32)
     args = parser.parse_args(argv)
     G = args.group_size
-    if args.aux_branches is None:
+    if args.aux_branches is None:  # [our choice] half the group, the auxiliary's half rounded up
         args.aux_branches = G - G // 2
     if args.aux_branches > G:
         die(f"--aux-branches {args.aux_branches} is larger than --group-size {G}")
@@ -128,37 +115,44 @@ def parse_args(argv=None):
     cap_used = args.aux_is in ("truncated", "branch") or (args.aux_is == "clip" and args.beta > 0)
     if not cap_used and args.is_cap != parser.get_default("is_cap"):
         print("warning: --is-cap is unused here (it caps w and, with --beta, v)", file=sys.stderr)
+    # [our choice] Without --aux-model the auxiliary is a frozen copy of the starting --model, as
+    # only one model is available offline. It samples hotter, so that its branches differ from the
+    # target's, and stands in for a smaller model of the same family.
     if args.aux_temperature is None:
         args.aux_temperature = args.temperature if args.aux_model else 1.3
-    check_args(args, "w2spo")  # now: the auxiliary loads before Run (which checks them again)
+    # check_args (plumbing) runs here as well as in Run, because main loads the auxiliary first.
+    check_args(args, "w2spo")
     return args
 
 # ------------------------------------------------------------------------ the method: branches
-@dataclass
+@dataclass(kw_only=True)
 class Branch:
-    """A group member: branch y_i from the state s, then the target's continuation c_i (context)."""
-    state: list  # s: the prompt's ids, then the prefix rollout's first b tokens
-    prefix_len: int  # b
-    ids: list  # y_i: the branch, at most L tokens (trained)
+    """A group member. Only its ids y_i are trained; the state s before them and the target's
+    continuation c_i after them are context, which decides the reward but gets no gradient."""
+    state: list  # s: the prompt's ids, then the prefix rollout's first m tokens
+    prefix_len: int  # m, the branch point
+    ids: list  # y_i: the branch, at most --branch-len tokens (trained)
     by_aux: bool  # sampled by the auxiliary model (off-policy), else by the target
     continuation: list  # c_i: the target's tokens after the branch (none after a stop id in y_i)
-    truncated: bool  # q[:b] + y_i + c_i used all --max-new-tokens without a stop id: cut off
-    sampler_logprobs: list = None  # vLLM's log-probs of y_i (a target branch): a sync check only
+    truncated: bool  # q[:m] + y_i + c_i ran into --max-new-tokens without writing a stop id
+    sampler_logprobs: list = None  # vLLM's log-probs of a target branch, to check the weight sync
     aux_logprobs: list = None  # log pi_aux(y_i,t | s, y_i,<t) of an auxiliary branch
     reward: float = 0.0  # r_i
 
 def branch_candidates(rollout, stop_ids, branch_range):
-    """Step 2: the branch points b (rollout tokens kept) in [LOW n, HIGH n] and [1, n - 1], n the
-    rollout's tokens before its stop id (at b it is not done yet). n = 30, 0.2 0.8: b in 6..24."""
+    """Step 2: the branch points m in [LOW |q|, HIGH |q|] and in [1, |q| - 1], |q| being the
+    rollout's tokens before its stop id (cut_at_eos, in the plumbing, finds it). m <= |q| - 1
+    leaves the target unfinished at s. For |q| = 30 and 0.2 0.8, m runs from 6 to 24."""
     written, truncated = cut_at_eos(rollout, stop_ids)
-    n = len(written) if truncated else len(written) - 1  # the tokens before the stop id
-    lowest = max(1, math.ceil(branch_range[0] * n))  # b >= LOW n, b >= 1
-    highest = min(n - 1, math.floor(branch_range[1] * n))  # b <= HIGH n, b <= n - 1
+    length = len(written) if truncated else len(written) - 1  # |q|: the tokens before the stop id
+    lowest = max(1, math.ceil(branch_range[0] * length))  # m >= LOW |q|, m >= 1
+    highest = min(length - 1, math.floor(branch_range[1] * length))  # m <= HIGH |q|, m <= |q| - 1
     return list(range(lowest, highest + 1))
 
 def sample_within(sampler, prompts, budgets, temperature):
-    """One sample per prompt, row i within budgets[i] tokens: the sampler's dicts, and "sampled":
-    the tokens generated, all counted (vLLM runs every row to the largest budget, then cuts it)."""
+    """One sample per prompt, row i within budgets[i] tokens: the Sampler's dicts (plumbing), and
+    "sampled", the tokens generated. Every generated token counts, and vLLM runs every row to the
+    largest budget before this function cuts it, so there "sampled" can exceed the budget."""
     if not prompts:
         return []
     vllm = sampler.backend == "vllm"
@@ -177,18 +171,24 @@ def sample_within(sampler, prompts, budgets, temperature):
             sample["sampler_logprobs"] = logprobs[:budget] if logprobs else None
     return samples
 
+# [our choice] The prefix rollout only supplies the states and belongs to no group. A completion
+# q[:m] + y_i + c_i fits in --max-new-tokens, as a GRPO sample does, so after a late branch point
+# the continuation is short (truncated_frac in metrics.jsonl).
 def sample_groups(sampler, aux_sampler, tokenizer, prompts, problems, args):
     """Steps 1-5 for P prompts: the branches of the K kept prompts, group by group (B_t target
     branches, then B_a auxiliary ones), each with its reward; and the step's token counts."""
-    L, B_t, B_a, N = args.branch_len, args.target_branches, args.aux_branches, args.max_new_tokens
+    B_t, B_a = args.target_branches, args.aux_branches
+    branch_len, max_new = args.branch_len, args.max_new_tokens
     # 1. q ~ pi_theta(. | x): one prefix rollout per prompt
-    rollouts = [r["ids"] for r in sampler.generate(prompts, 1, N, args.temperature)]  # P lists
+    rollouts = [r["ids"] for r in sampler.generate(prompts, 1, max_new, args.temperature)]  # P
     entropy = None
+    # [our choice] --branch-at entropy picks the position of highest entropy in the range, as
+    # entropy-guided tree rollouts do (TreeRL, FR3E); Run gives the sampler the policy as its model.
     if args.branch_at == "entropy":  # entropy[i, t]: of the distribution token t was drawn from
         entropy = branch_logprobs(sampler.model, prompts, rollouts, args.temperature, args,
                                   with_entropy=True)[1].cpu()  # [P, T]
-    # 2. b in [LOW n, HIGH n]: the branch point of each rollout that has one
-    kept = []  # (prompt index i, branch point b) of the K kept prompts
+    # 2. m in [LOW |q|, HIGH |q|]: the branch point of each rollout that has one
+    kept = []  # (prompt index i, branch point m) of the K kept prompts
     for i, rollout in enumerate(rollouts):
         candidates = branch_candidates(rollout, sampler.stop_ids, args.branch_range)
         if not candidates:
@@ -196,37 +196,41 @@ def sample_groups(sampler, aux_sampler, tokenizer, prompts, problems, args):
         if entropy is None:
             kept.append((i, random.choice(candidates)))
         else:
-            kept.append((i, max(candidates, key=lambda b: entropy[i, b])))
-    states = [prompts[i] + rollouts[i][:b] for i, b in kept]  # s = x + q[:b], K lists
-    tokens_left = [N - b for i, b in kept]  # for y_i + c_i: >= 1, as b <= n - 1
-    # 3. y ~ pi_aux(. | s): B_a auxiliary branches per state, each at most L tokens
+            kept.append((i, max(candidates, key=lambda m: entropy[i, m])))
+    states = [prompts[i] + rollouts[i][:m] for i, m in kept]  # s = x + q[:m], K lists
+    tokens_left = [max_new - m for i, m in kept]  # room for y_i + c_i, >= 1 as m <= |q| - 1
+    # 3. y ~ pi_aux(. | s): B_a auxiliary branches per state, each at most --branch-len tokens
     aux_samples = sample_within(aux_sampler, [s for s in states for _ in range(B_a)],
-                                [min(L, left) for left in tokens_left for _ in range(B_a)],
+                                [min(branch_len, left) for left in tokens_left for _ in range(B_a)],
                                 args.aux_temperature)  # K * B_a, state-major
-    aux_branches = [Branch(states[j // B_a], kept[j // B_a][1], sample["ids"], True, [],
-                           sample["truncated"]) for j, sample in enumerate(aux_samples)]  # K * B_a
-    # 3. and 4. in one target call: y ~ pi_theta(. | s) and c ~ pi_theta(. | s, y), B_t rows per
-    # state (a row's first L tokens are y, the rest c); then c of every auxiliary branch still open
-    still_open = [branch for branch in aux_branches  # no stop id yet, and tokens left
-                  if branch.truncated and branch.prefix_len + len(branch.ids) < N]
+    # 3. and 4. in one call of the target. Its B_t rows per state sample y ~ pi_theta(. | s) and go
+    # on into c ~ pi_theta(. | s, y); a row's first --branch-len tokens are y. The call also
+    # continues each auxiliary branch that wrote no stop id and has tokens left.
+    to_continue = [j for j, sample in enumerate(aux_samples)
+                   if sample["truncated"] and len(sample["ids"]) < tokens_left[j // B_a]]
     starts = [s for s in states for _ in range(B_t)]  # K * B_t target rows, state-major
-    starts += [branch.state + branch.ids for branch in still_open]
+    starts += [states[j // B_a] + aux_samples[j]["ids"] for j in to_continue]
     budgets = [left for left in tokens_left for _ in range(B_t)]
-    budgets += [N - branch.prefix_len - len(branch.ids) for branch in still_open]
+    budgets += [tokens_left[j // B_a] - len(aux_samples[j]["ids"]) for j in to_continue]
     target_samples = sample_within(sampler, starts, budgets, args.temperature)
-    for branch, sample in zip(still_open, target_samples[len(states) * B_t:]):
-        branch.continuation = sample["ids"]  # 4. c ~ pi_theta(. | s, y)
-        branch.truncated = sample["truncated"]  # used all --max-new-tokens without a stop id
+    continued = dict(zip(to_continue, target_samples[len(states) * B_t:]))  # j -> its c's sample
     branches = []
-    for k, (i, b) in enumerate(kept):
+    for k, (i, m) in enumerate(kept):
         group = []
-        for sample in target_samples[k * B_t: (k + 1) * B_t]:
+        for sample in target_samples[k * B_t: (k + 1) * B_t]:  # y, then c
             engine_logprobs = sample["sampler_logprobs"] or []  # vLLM's, else none
-            group.append(Branch(states[k], b, sample["ids"][:L], False, sample["ids"][L:],
-                                sample["truncated"], engine_logprobs[:L] or None))  # y, then c
-        group += aux_branches[k * B_a: (k + 1) * B_a]
-        for branch in group:  # 5. r_i = reward(q[:b] + y_i + c_i)
-            completion = rollouts[i][:b] + branch.ids + branch.continuation
+            group.append(Branch(state=states[k], prefix_len=m, ids=sample["ids"][:branch_len],
+                                by_aux=False, continuation=sample["ids"][branch_len:],
+                                truncated=sample["truncated"],
+                                sampler_logprobs=engine_logprobs[:branch_len] or None))
+        for j in range(k * B_a, (k + 1) * B_a):  # the auxiliary's branches from this state
+            continuation = continued[j]["ids"] if j in continued else []
+            ending = continued[j] if j in continued else aux_samples[j]  # it ends the completion
+            group.append(Branch(state=states[k], prefix_len=m, ids=aux_samples[j]["ids"],
+                                by_aux=True, continuation=continuation,
+                                truncated=ending["truncated"]))
+        for branch in group:  # 5. r_i = reward(q[:m] + y_i + c_i)
+            completion = rollouts[i][:m] + branch.ids + branch.continuation
             text = completion_text(tokenizer, prompts[i], completion)  # as the verifier reads it
             branch.reward = verifier.reward(text, problems[i]["answer"])
         branches += group
@@ -236,14 +240,16 @@ def sample_groups(sampler, aux_sampler, tokenizer, prompts, problems, args):
                           tokens_read=sum(map(len, prompts + states * B_a + starts)),  # x, s, s + y
                           skipped_prompts=len(prompts) - len(kept))
 
+# token_logprobs (plumbing) would forward each row s + y_i whole, but the G rows of a group share
+# their state s. So state_logprobs forwards each distinct state of a micro-batch once, and its rows
+# read its KV cache (the keys and values that later tokens attend to): Cache.batch_select_indices
+# gives each row a copy, through which the gradient flows back into the state's forward. A cache
+# that holds more than keys and values (linear attention, convolutions), or a static or quantised
+# one, cannot be copied so; then every row is forwarded whole, which gives the same numbers.
 def state_logprobs(net, states, branches, temperature, micro_batch, with_entropy=False,
                    compute_dtype=torch.float32):
     """log pi(y_t | s, y_<t) of rows (state s, branch y) [B, T] (fp32), and the entropies [B, T]
-    (no grad) when asked: token_logprobs of the whole rows s + y, but the G rows of a group share
-    their state, so each distinct state of a micro-batch is forwarded once and its rows read its KV
-    cache (keys and values, a copy per row by Cache.batch_select_indices, through which the
-    gradient flows back into the state's forward). Whole rows remain where a cache holds more than
-    keys and values (linear attention, convolutions) or is static or quantised."""
+    (no grad) when asked, else None. They are token_logprobs' numbers, each state forwarded once."""
     branch_ids, mask = (t.to(net.device) for t in pad(branches, 0))  # [B, T]: padding masked
     parts = []  # per micro-batch: (log-probs [b, T], entropies [b, T] or None)
     for rows in torch.arange(len(states)).split(micro_batch):
@@ -251,13 +257,13 @@ def state_logprobs(net, states, branches, temperature, micro_batch, with_entropy
         unique = list(dict.fromkeys(row_states))  # the distinct states, in order of appearance
         which = torch.tensor([unique.index(s) for s in row_states], device=net.device)  # [b]
         state_ids, state_mask = (t.to(net.device) for t in pad(unique, 0, left=True))  # [u, S]
-        with autocast(net.device.type, compute_dtype):  # [u, S, d], and the cache
+        with autocast(net.device.type, compute_dtype):  # first pass, the states: [u, S, d], cache
             first = net.base_model(input_ids=state_ids, attention_mask=state_mask, use_cache=True,
                                    position_ids=(state_mask.cumsum(dim=1) - 1).clamp(min=0))
-        plain = ("DynamicLayer", "DynamicSlidingWindowLayer")  # a cache layer of keys and values
+        kv_layers = ("DynamicLayer", "DynamicSlidingWindowLayer")  # caches of keys and values only
         layers = getattr(first.past_key_values, "layers", [])  # none: no cache came back
-        if not layers or any(type(layer).__name__ not in plain for layer in layers):
-            # whole rows, decided at the first micro-batch: all of them
+        if not layers or any(type(layer).__name__ not in kv_layers for layer in layers):
+            # Every row whole; the first micro-batch decides it for all of them.
             ids, attention, _ = build_batch(states, branches, 0)
             return token_logprobs(net, ids.to(net.device), attention.to(net.device), mask.shape[1],
                                   temperature, micro_batch, with_entropy, compute_dtype)
@@ -281,9 +287,11 @@ def branch_logprobs(net, states, branches, temperature, args, with_entropy=False
     return state_logprobs(net, states, branches, temperature, args.micro_batch, with_entropy,
                           getattr(torch, args.dtype))
 
+# The update needs pi_aux of the auxiliary's tokens (importance_weights, below). The auxiliary is
+# frozen, so they are computed once per step, here, with what metrics.jsonl logs about them: how
+# far pi_aux is from pi_old, the ratios outside the clip range or above C, and the mean weight w.
 def score_aux_branches(model, aux_model, branches, args):
-    """pi_aux of every auxiliary branch, once per step (the auxiliary is frozen): sets
-    branch.aux_logprobs; and what metrics.jsonl logs about all of them, trained or not."""
+    """Sets branch.aux_logprobs of every auxiliary branch; returns the logs over all of them."""
     aux_branches = [branch for branch in branches if branch.by_aux]
     if not aux_branches:  # --aux-branches 0, or no prompt kept
         return {}
@@ -296,7 +304,7 @@ def score_aux_branches(model, aux_model, branches, args):
     real = pad(ids, 0)[1].bool().to(old_logp.device)  # [a, T]: the branches' tokens, no padding
     log_ratio = torch.where(real, old_logp - aux_logp, 0.0)  # [a, T]: log pi_old / pi_aux
     ratio = torch.exp(log_ratio[real])  # [auxiliary tokens]
-    outside = (ratio < 1 - args.eps_low) | (ratio > 1 + args.eps_high)  # clip's rho at its start
+    outside = (ratio < 1 - args.eps_low) | (ratio > 1 + args.eps_high)  # clip's rho, at first
     capped = ratio > args.is_cap  # [auxiliary tokens]: where C binds (truncated; v under --beta)
     if args.aux_is == "branch":  # C binds on the product of a branch's ratios
         capped = torch.exp(log_ratio.sum(dim=1)) > args.is_cap  # [a]
@@ -307,8 +315,9 @@ def score_aux_branches(model, aux_model, branches, args):
             "aux_weight_mean": weights[real].mean().item()}
 
 def load_aux(args):
-    """The frozen auxiliary (fp32 on the CPU; main places it), before Run: a vocabulary not the
-    target's fails at once. It reads the target's ids, not its chat template: a base model does."""
+    """The frozen auxiliary (load_model, in the plumbing), in fp32 on the CPU until main places it,
+    loaded before Run so that a vocabulary other than the target's fails at once. The auxiliary
+    only needs the target's vocabulary, not its chat template, so a base model works."""
     aux_model, aux_tokenizer = load_model(args.aux_model or args.model, torch.float32, "cpu")
     if args.aux_model:
         from transformers import AutoTokenizer
@@ -321,6 +330,11 @@ def load_aux(args):
     return aux_model.eval().requires_grad_(False)
 
 # ------------------------------------------------------------------------ the method: advantages
+# Dr. GRPO (GRPO Done Right) drops the division by std(r) with --scale-rewards none: dividing
+# weighs a group whose rewards barely differ as much as one split evenly, which favours problems
+# that are nearly always solved or nearly never. The 1e-4 keeps an all-equal group at A = 0.
+# Our std divides by G, not by G - 1 as TRL's and verl's do, so our A_i is sqrt(G / (G - 1))
+# times theirs (1.07 at G = 8).
 def group_advantages(rewards, group_size, scale="group"):
     """rewards [P * G], each group of G consecutive -> advantages [P * G].
 
@@ -334,6 +348,29 @@ def group_advantages(rewards, group_size, scale="group"):
     return centred.reshape(-1)  # [P * G]
 
 # ------------------------------------------------------------------------ the update
+# An auxiliary token is off-policy: pi_aux sampled it (at --aux-temperature), not pi_old, as the
+# loss below assumes. --aux-is (IS: importance sampling) picks the correction from log_ratio = log
+# pi_old - log pi_aux; the target's own tokens keep w = 1.
+#     truncated  w = min(pi_old / pi_aux, C) per token (verl's truncated IS; the default)
+#     branch     w = min(prod_t pi_old / pi_aux, C), one weight for the whole branch
+#     clip       w = 1, and policy_loss takes its ratio against pi_aux: rho = pi_theta / pi_aux
+#     none       w = 1: the token is trained as if the target had sampled it (S2L-PO's code)
+# w is fixed at sampling, so it has no gradient and is the same in every --ppo-epochs epoch. A
+# weight per token is an approximation, as the branch's earlier tokens, and so the reward, came
+# from pi_aux too; branch weighs the whole branch, at the price of a product of --branch-len
+# ratios, which varies far more. [our choice] C (--is-cap) keeps a token that pi_old likes far
+# more than pi_aux from dominating a batch.
+#
+# The weight pulls against the method. The auxiliary is there to write what the target would not,
+# so a token that rescues a group is often one the target finds unlikely: pi_old / pi_aux is small,
+# and w damps exactly the tokens through which the auxiliary taught something new. Had the target
+# given the "5" of " 35" in the docstring's example probability 0.1 and the auxiliary 0.5, that
+# token's loss would count w = 0.2 times a target token's. A larger C does not help, as C bounds w
+# from above only. The source calls its update importance-aware, but without its method section we
+# cannot say how it weighs. --aux-is none removes the damping along with the correction; branch
+# damps or raises whole branches; metrics.jsonl logs aux_weight_mean and aux_capped_frac. Over
+# three seeds the README found truncated ahead of none on average, by less than the seeds'
+# spread, and clip behind both.
 def importance_weights(log_ratio, is_aux, aux_is, is_cap):
     """w [b, T] of --aux-is from log_ratio = log pi_old - log pi_aux [b, T]; 1 where not is_aux."""
     if aux_is == "truncated":
@@ -345,27 +382,57 @@ def importance_weights(log_ratio, is_aux, aux_is, is_cap):
         w = torch.ones_like(log_ratio)  # [b, T]
     return torch.where(is_aux, w, 1.0)  # the target's own tokens keep w = 1, whatever C
 
+# The loss of token t of completion i, with rho_i,t = pi_theta(y_i,t | x, y_i,<t) / pi_old(...):
+#     l_i,t = -min(rho_i,t A_i, clip(rho_i,t, 1 - eps_low, 1 + eps_high) A_i) + beta k3_i,t
+# The clip (--eps-low, --eps-high) keeps one batch from moving the policy far: once a token's ratio
+# leaves the range in the direction its advantage favours, the token gets no gradient. DAPO's
+# clip-higher sets eps_high above eps_low, so that an unlikely token can still gain probability.
+# [our choice] pi_old is the sampling policy as this trainer computes it, not the sampler's own
+# log-probs (vLLM's only check the weight sync, as logp_mismatch_*). With the default --ppo-epochs
+# 1 the update runs once, right after sampling, so rho is exactly 1 and the clip never acts: each
+# step is REINFORCE with the group's mean reward as its baseline. With --ppo-epochs 2 or more the
+# later epochs reuse the batch, and the ratio and the clip start to matter.
+# k3 = exp(ref - logp) - (ref - logp) - 1 is Schulman's third estimator of the Kullback-Leibler
+# divergence KL(pi_theta || pi_ref) from the starting model pi_ref (--beta; 0 turns it off). It is
+# unbiased as a value on tokens pi_theta sampled, but as a loss its gradient is that of KL(pi_ref
+# || pi_theta), the reverse direction; TRL and verl use it the same way.
+# W2SPO's additions: here y_i is a branch, and its context is the state s, not x. l_i,t is
+# multiplied by w_i,t (importance_weights, above), and the k3 term by v_i,t = min(pi_old / pi_aux,
+# C) on an auxiliary token (1 under --aux-is none, and on a target token), because k3 is unbiased
+# only on tokens that pi_theta sampled. Under --aux-is clip the ratio against pi_aux can be far from
+# 1 even in the first epoch: a token with rho > 1 + eps_high and A > 0 then gets no gradient, and
+# one with rho far above 1 and A < 0 an unbounded one. --dual-clip bounds the loss of every token
+# with A < 0 by dual_clip x |A|, as the dual-clip PPO (proximal policy optimization) of Ye et al.
+# (2020) does.
 def policy_loss(logp, old_logp, advantages, eps_low, eps_high, ref_logp=None, beta=0.0,
                 weights=1.0, kl_weights=1.0, dual_clip=None):
     """Per-token clipped surrogate (+ k3 KL). logp, old_logp, ref_logp [B, T]; advantages [B].
-    W2SPO: l times weights w [B, T], k3 times kl_weights v [B, T]; dual_clip c: l <= -c A if A < 0.
-    Returns (loss [B, T], clipped [B, T]: 1 where the clip won the min, kl [B, T] or None)."""
+    weights w and kl_weights v [B, T]; dual_clip, the bound on l where A < 0 (None: off).
+    Returns (loss [B, T], clip_won [B, T]: 1 where the clip won the min, kl [B, T] or None)."""
     adv = advantages[:, None]  # [B, 1]
     ratio = torch.exp(logp - old_logp)  # rho = pi_theta / pi_old   [B, T]
     unclipped = ratio * adv  # rho A   [B, T]
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv  # clip(rho, 1 -+ eps) A
     loss = -torch.min(unclipped, clipped)  # l = -min(rho A, clip(rho) A)   [B, T]
-    if dual_clip:  # where A < 0: l = min(l, -c A) (dual-clip PPO)
+    if dual_clip:  # where A < 0: l = min(l, -dual_clip A)
         loss = torch.where(adv < 0, torch.clamp(loss, max=-dual_clip * adv), loss)  # [B, T]
     loss = loss * weights  # l = -w min(rho A, clip(rho) A)   [B, T]
     kl = None
     if beta > 0:
         log_ratio_ref = ref_logp - logp  # [B, T]
         kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3 >= 0; gradient: KL(ref || pi)'s
-        kl = kl * kl_weights  # v k3: importance-weighted where pi_theta did not sample   [B, T]
+        kl = kl * kl_weights  # v k3   [B, T]
         loss = loss + beta * kl  # l + beta v k3
     return loss, (clipped < unclipped).float(), kl
 
+# --loss-agg sums the per-token losses into one number in one of three ways, which weigh long and
+# short completions differently:
+#     token-mean    the sum over the batch's tokens / their number           (DAPO, the default)
+#     seq-mean      the mean over each completion's tokens, then over completions  (original GRPO)
+#     seq-sum-norm  the sum / (the number of completions x --max-new-tokens)  (Dr. GRPO)
+# seq-mean gives each completion the same weight, so a token of a long wrong completion counts for
+# less than one of a short one; token-mean gives each token the same weight; seq-sum-norm divides
+# by a constant, so that no length changes the weight of a token.
 def aggregate_loss(token_loss, mask, loss_agg, num_tokens, num_sequences, max_new_tokens):
     """One number from the per-token losses [b, T] of a micro-batch. The normalisers are the whole
     batch's, so the micro-batches' results add up to the full batch's loss."""
@@ -376,6 +443,16 @@ def aggregate_loss(token_loss, mask, loss_agg, num_tokens, num_sequences, max_ne
         return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / num_sequences
     return masked.sum() / (num_sequences * max_new_tokens)  # seq-sum-norm: sum / (B x T_max)
 
+# A completion whose advantage is 0 adds nothing to the loss but its KL term, so without --beta it
+# is not forwarded at all: the result is exact, and an all-right or all-wrong group costs no
+# compute. It still counts in the normalisers of --loss-agg, so with beta = 0 --filter-groups,
+# which drops such groups, only rescales the loss. clip_frac_trained and entropy_trained in
+# metrics.jsonl therefore cover the forwarded completions only. The weights and AdamW's state are
+# float32; --dtype sets only the precision of the matrix products (autocast, in the plumbing).
+# In W2SPO a row is a state s and a branch y_i. Only y_i's tokens are trained, so the state is
+# context and the continuation is not forwarded at all. [our choice] Both models' branches are
+# trained, although the abstract's "updates restricted to the inserted segments" may mean the
+# auxiliary's alone; --aux-branches 0 is the paper's ablation with target branches only.
 def train_step(model, optimizer, batch, args, ref_model=None):
     """One sampled batch -> --ppo-epochs optimizer steps; returns diagnostics. batch: "prompts"
     (the states s), "samples" (Branch; its sampler_logprobs with vLLM are compared with ours as
@@ -385,10 +462,9 @@ def train_step(model, optimizer, batch, args, ref_model=None):
     dtype = getattr(torch, args.dtype)
     num_sequences = len(adv)
     num_tokens = max(sum(len(s.ids) for s in samples), 1)
-    # A row with A = 0 adds nothing but KL: without KL it is not forwarded at all (exact).
-    if args.beta > 0:
+    if args.beta > 0:  # every row has a KL term to train
         active = list(range(num_sequences))
-    else:
+    else:  # only the rows with A != 0 have a gradient
         active = adv.nonzero().squeeze(1).tolist()
     micro_batches = []  # (rows, states s, branches y, mask [b, t]), own widths
     for start in range(0, len(active), args.micro_batch):
@@ -397,8 +473,10 @@ def train_step(model, optimizer, batch, args, ref_model=None):
         mask = pad(branches, 0)[1].to(model.device)  # [b, t]
         micro_batches.append((rows, [batch["prompts"][i] for i in rows], branches, mask))
     def logprobs(net, states, branches, with_entropy=False):  # [b, t] (and entropy [b, t])
-        return state_logprobs(net, states, branches, args.temperature, len(states), with_entropy,
-                              dtype)  # W2SPO: each state forwarded once
+        # The rows are one micro-batch already, so state_logprobs forwards them all at once.
+        return state_logprobs(net, states, branches, args.temperature,
+                              micro_batch=len(states), with_entropy=with_entropy,
+                              compute_dtype=dtype)
     olds = [None] * len(micro_batches)  # pi_old, fixed at sampling for every epoch (if > 1)
     refs = [None] * len(micro_batches)  # pi_ref, for the KL term (if beta > 0)
     with torch.no_grad():
@@ -415,8 +493,9 @@ def train_step(model, optimizer, batch, args, ref_model=None):
         for (rows, states, branches, mask), old_logp, ref_logp in zip(micro_batches, olds, refs):
             logp, entropy = logprobs(model, states, branches, True)  # [b, t] each
             if old_logp is None:
-                old_logp = logp.detach()  # --ppo-epochs 1: pi_old = pi_theta, rho = 1
-            # W2SPO: the auxiliary's tokens get w, v and (--aux-is clip) their own rho
+                old_logp = logp.detach()  # --ppo-epochs 1: pi_old = pi_theta, so rho = 1
+            # W2SPO: the auxiliary's tokens get w and v (importance_weights), and rho against pi_aux
+            # under --aux-is clip
             by_aux = torch.tensor([samples[i].by_aux for i in rows], device=model.device)  # [b]
             is_aux = mask.bool() & by_aux[:, None]  # [b, t]: the auxiliary's tokens
             aux_rows = [samples[i].aux_logprobs or [0.0] * len(samples[i].ids) for i in rows]
@@ -427,12 +506,12 @@ def train_step(model, optimizer, batch, args, ref_model=None):
             kl_weights = importance_weights(log_ratio_aux, is_aux, kl_mode, args.is_cap)  # v
             if args.aux_is == "clip":
                 old_logp = torch.where(is_aux, aux_logp, old_logp)  # rho = pi_theta / pi_aux
-            token_loss, clipped, kl = policy_loss(logp, old_logp, adv[rows].to(model.device),
-                                                  args.eps_low, args.eps_high, ref_logp, args.beta,
-                                                  weights, kl_weights, args.dual_clip)
+            token_loss, clip_won, kl = policy_loss(logp, old_logp, adv[rows].to(model.device),
+                                                   args.eps_low, args.eps_high, ref_logp,
+                                                   args.beta, weights, kl_weights, args.dual_clip)
             loss = aggregate_loss(token_loss, mask, args.loss_agg, num_tokens, num_sequences,
-                                  args.branch_len)  # seq-sum-norm: a row trains <= L tokens
-            loss.backward()
+                                  args.branch_len)  # seq-sum-norm: no row trains more tokens
+            loss.backward()  # the gradients of the micro-batches add up to the batch's
             tokens = mask.bool()
             for j, i in enumerate(rows):  # vLLM's log-probs, where it sampled the row
                 engine_logp = samples[i].sampler_logprobs
@@ -440,14 +519,14 @@ def train_step(model, optimizer, batch, args, ref_model=None):
                     ours = logp[j, : len(engine_logp)].detach()  # [tokens]
                     gaps.append((ours - torch.tensor(engine_logp).to(ours)).abs())
             sums["loss"] += loss.item()
-            sums["clip_frac"] += clipped[tokens].sum().item()
+            sums["clip_frac"] += clip_won[tokens].sum().item()
             sums["entropy"] += entropy[tokens].sum().item()
             sums["tokens"] += tokens.sum().item()
             if kl is not None:
                 sums["kl"] += kl[tokens].sum().item()
         if not sums["tokens"]:
             break
-        # The gradient norm over all weights (clipped to --max-grad-norm; 0: only measured).
+        # The gradient norm over all weights, clipped to --max-grad-norm (0 only measures it).
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                          args.max_grad_norm or float("inf")))
         stats.update(clip_frac_trained=sums["clip_frac"] / sums["tokens"],  # rows forwarded only
@@ -458,20 +537,22 @@ def train_step(model, optimizer, batch, args, ref_model=None):
             stats["skipped_nonfinite"] += 1
             continue
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)  # the gradients' memory, free through sampling
+    optimizer.zero_grad(set_to_none=True)  # frees the gradients' memory while sampling runs
     if gaps:
         gap = torch.cat(gaps)  # [tokens]: |our log-prob - vLLM's| of each sampled token
         stats.update(logp_mismatch_mean=gap.mean().item(), logp_mismatch_max=gap.max().item())
     return stats
 
 # ------------------------------------------------------------------------ the loop
+# What metrics.jsonl logs about a step's branches, besides GRPO's measures. aux_rescued_frac is
+# the paper's measure of the method at work: the groups whose target branches are all wrong but
+# which an auxiliary branch gets right, so that they have a gradient only thanks to the auxiliary.
 def branch_stats(branches, rewards, args):
     """metrics.jsonl's W2SPO measures of a step's K groups of branches, rewards [K * G]."""
     G = args.group_size
     by_aux = torch.tensor([branch.by_aux for branch in branches], dtype=torch.bool)  # [K * G]
     target_right = (rewards * ~by_aux).view(-1, G).sum(dim=1)  # [K]: right target branches
     aux_right = (rewards * by_aux).view(-1, G).sum(dim=1)  # [K]: right auxiliary branches
-    # aux_rescued_frac is the paper's measure: target branches all wrong, an auxiliary one right
     stats = {"target_all_wrong_frac": (target_right == 0).float().mean().item(),
              "aux_rescued_frac": ((target_right == 0) & (aux_right > 0)).float().mean().item(),
              "prefix_len_mean": float(np.mean([branch.prefix_len for branch in branches[::G]])),
@@ -486,23 +567,28 @@ def branch_stats(branches, rewards, args):
 
 def main(argv=None):
     args = parse_args(argv)
-    aux_model = load_aux(args)  # before Run: another vocabulary is refused at once
-    run = Run(args)  # Run (below): data, policy, sampler, optimizer, logs
+    aux_model = load_aux(args)  # before Run, so that another vocabulary is refused at once
+    run = Run(args)  # loads the data, the policy, its sampler and optimizer (Run, in the plumbing)
     G = args.group_size
+    # Sampler (plumbing) samples with Hugging Face generate or vLLM. The frozen auxiliary always
+    # uses generate, whatever --backend says, in --dtype's precision.
     aux_sampler = Sampler("hf", aux_model.to(run.device, run.compute_dtype), run.tokenizer, None,
-                          run.compute_dtype, "--aux-model")  # frozen, compute precision
-    for step, problems, prompts in run.steps():
+                          run.compute_dtype, "--aux-model")
+    for step, problems, prompts in run.steps():  # P problems and their prompts' token ids
+        # 1. to 5. prefix rollouts, branch points, branches and continuations, and their rewards
         branches, counts = sample_groups(run.sampler, aux_sampler, run.tokenizer, prompts,
-                                         problems, args)  # 1.-5.: K * G, with their rewards
+                                         problems, args)  # K * G, group-major
         if not branches:  # no prompt had a branch point: nothing to train
             if run.end_step(step, {}, **counts):
                 break
             continue
         aux_stats = score_aux_branches(run.model, aux_model, branches, args)  # pi_aux, once
         rewards = torch.tensor([branch.reward for branch in branches])  # [K * G]
-        advantages = group_advantages(rewards, G, args.scale_rewards)  # 6. A_i [K * G]
+        # 5. A_i = (r_i - mean(r)) / (std(r) + 1e-4) within each group
+        advantages = group_advantages(rewards, G, args.scale_rewards)  # [K * G]
         zero_std = rewards.view(-1, G).std(dim=1) == 0  # [groups]: all rewards equal
         rows = [i for i in range(len(branches)) if not (args.filter_groups and zero_std[i // G])]
+        # 6. the update, then the sampler's weights synced (Run.update)
         stats = {}
         if rows:
             stats = run.update([branches[i].state for i in rows], [branches[i] for i in rows],

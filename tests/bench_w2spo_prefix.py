@@ -46,7 +46,8 @@ def make_batch(tokenizer, args):
         for j in range(8):
             ids = [rng.randrange(1000, 5000) for _ in range(8)]
             by_aux = j >= 4
-            branches.append(w2spo.Branch(state, 20, ids, by_aux, [], False,
+            branches.append(w2spo.Branch(state=state, prefix_len=20, ids=ids, by_aux=by_aux,
+                                         continuation=[], truncated=False,
                                          aux_logprobs=[-rng.random() - 1 for _ in ids] if by_aux
                                          else None, reward=float(rng.random() < 0.4)))
     rewards = torch.tensor([b.reward for b in branches])

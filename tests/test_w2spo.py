@@ -4,8 +4,10 @@ sampler), the branch-only loss and the off-policy corrections against losses wri
 runs on the tiny model (HF, vLLM, seeds, --resume), the docstring's worked example, and one
 learning run of the shortened default on SmolLM2."""
 import json
+import math
 import os
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -112,7 +114,8 @@ def test_branch_stats_log_lengths_and_the_groups_the_auxiliary_rescued():
     and an auxiliary one right (rescued); in the second a target branch is right."""
     args = w2spo.parse_args(["--group-size", "4", "--max-new-tokens", "20"])
     def branch(b, by_aux, ids, continuation, truncated, reward):
-        return w2spo.Branch([1] * (3 + b), b, ids, by_aux, continuation, truncated, reward=reward)
+        return w2spo.Branch(state=[1] * (3 + b), prefix_len=b, ids=ids, by_aux=by_aux,
+                            continuation=continuation, truncated=truncated, reward=reward)
     branches = [branch(4, False, [5] * 3, [6] * 13, True, 0), branch(4, False, [5] * 3, [EOS], False, 0),
                 branch(4, True, [5] * 3, [6] * 2, False, 1), branch(4, True, [5, EOS], [], False, 0),
                 branch(8, False, [5] * 3, [EOS], False, 1), branch(8, False, [5] * 3, [6], False, 0),
@@ -251,8 +254,9 @@ def toy_branches():
 def as_branches(branches, model_dir, aux_model_dir, *flags):
     """The rows as w2spo.Branch, pi_aux set by score_aux_branches (the auxiliary at --aux-temperature
     1.3, the default), and its diagnostics."""
-    rows = [w2spo.Branch(b["state"], len(b["state"]) - b["prompt_len"], b["branch"], b["aux"],
-                         b["continuation"], False) for b in branches]
+    rows = [w2spo.Branch(state=b["state"], prefix_len=len(b["state"]) - b["prompt_len"],
+                         ids=b["branch"], by_aux=b["aux"], continuation=b["continuation"],
+                         truncated=False) for b in branches]
     stats = w2spo.score_aux_branches(fresh(model_dir), fresh(aux_model_dir), rows, script_args(*flags))
     return rows, stats
 
@@ -532,9 +536,9 @@ def test_target_only_branches_never_touch_the_auxiliary(tiny_model_dir, tmp_path
 
 
 def test_the_docstring_says_what_is_trained():
-    doc = w2spo.__doc__
-    assert "the target's and the auxiliary's alike" in doc and "--aux-branches 0" in doc
-    assert "auxiliary's alone" in doc  # the abstract's other reading
+    source = Path(w2spo.__file__).read_text()
+    assert "the target's and the auxiliary's alike" in w2spo.__doc__
+    assert "--aux-branches 0" in source and "auxiliary's alone" in source  # the abstract's other reading
 
 
 # ----------------------------------------------------------------------------- flags and the auxiliary
@@ -687,21 +691,25 @@ def test_vllm_step_on_cpu(tiny_model_dir, tmp_path):
 # ----------------------------------------------------------------------------- the docstring, the task, learning
 
 def test_docstring_worked_example_counts_right():
-    """The worked example's token counts and rewards, on the default model's tokenizer."""
+    """The worked example's token counts and rewards, on the default model's tokenizer, and the
+    weight of its rescuing token in the comment beside importance_weights."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(w2spo.resolve_model_path("smollm2-135m"))
     ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
-    rollout, prefix = "17 + 25 = 17 + 20 + 5 = 37 + 5 = 32. The answer is 32.", "17 + 25 = 17 + 20 + 5 = 37 + 5 ="
-    assert len(ids(rollout)) == 36 and ids(rollout)[:25] == ids(prefix)
-    assert 25 in w2spo.branch_candidates(ids(rollout), {tokenizer.eos_token_id}, (0.2, 0.8))
-    branches = [(" 32. So the answer is", " 32."), (" 32, and the answer is", " 32."),
-                (" 42. So the answer is", " 42."), (" 42, which is the answer", ".")]
+    rollout, prefix = "17 + 18 = 17 + 10 + 8 = 27 + 8 = 34. The final number is 34.", "17 + 18 = 17 + 10 + 8 = 27 + 8 ="
+    assert len(ids(rollout)) == 37 and ids(rollout)[:25] == ids(prefix)
+    eos = tokenizer.eos_token_id
+    assert w2spo.branch_candidates(ids(rollout) + [eos], {eos}, (0.2, 0.8)) == list(range(8, 30))
+    branches = [(" 34. So the final number", " is 34."), (" 34, and the final number", " is 34."),
+                (" 35. So the final number", " is 35."), (" 35, and the final number", " is 35.")]
     assert [len(ids(prefix + z)) - 25 for z, _ in branches] == [8] * 4
-    rewards = torch.tensor([verifier.reward(prefix + z + c, "42") for z, c in branches])
+    rewards = torch.tensor([verifier.reward(prefix + z + c, "35") for z, c in branches])
     assert rewards.tolist() == [0, 0, 1, 1]
     assert w2spo.group_advantages(rewards, 4).tolist() == pytest.approx([-1, -1, 1, 1], abs=1e-3)
     doc = w2spo.__doc__
-    assert "n = 36 tokens" in doc and "b = 25" in doc and "16 auxiliary tokens" in doc
+    assert "|q| = 37 tokens" in doc and "m = 25" in doc and "[8, 29]" in doc and "16 auxiliary tokens" in doc
+    w = w2spo.importance_weights(torch.tensor([[math.log(0.1 / 0.5)]]), torch.tensor([[True]]), "truncated", 2.0)
+    assert w.item() == pytest.approx(0.2) and "w = 0.2" in Path(w2spo.__file__).read_text()
 
 
 def test_arith_steps_is_arith_with_a_working_prompt():
