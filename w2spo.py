@@ -327,6 +327,7 @@ def load_aux(args):
             die(f"cannot load model '{args.model}' ({str(err).splitlines()[0][:200]})")
         if vocabulary != aux_tokenizer.get_vocab():
             die(f"--aux-model {args.aux_model} and --model {args.model}: different vocabularies")
+        check_output_logits(aux_model)  # pi_aux's log-probs go through hidden_logprobs too
     return aux_model.eval().requires_grad_(False)
 
 # ------------------------------------------------------------------------ the method: advantages
