@@ -77,8 +77,6 @@ from tqdm import tqdm
 
 import verifier
 
-# What to lower when memory runs out, in the one-line error of run_cli (in the plumbing).
-MEMORY_FLAGS = "--micro-batch, --group-size or --max-new-tokens"
 
 def parse_args(argv=None):
     """The flags, all shared with the other trainers. add_common_args and add_training_args are in
@@ -113,11 +111,12 @@ def parse_args(argv=None):
     return args
 
 # ------------------------------------------------------------------------ the method: advantages
-# Dr. GRPO (GRPO Done Right) drops the division by std(r) with --scale-rewards none: dividing
-# weighs a group whose rewards barely differ as much as one split evenly, which favours problems
-# that are nearly always solved or nearly never. The 1e-4 keeps an all-equal group at A = 0.
-# Our std divides by G, not by G - 1 as TRL's and verl's do, so our A_i is sqrt(G / (G - 1))
-# times theirs (1.07 at G = 8).
+# group_advantages centres each group's rewards on their mean and, by default, divides them by
+# their std; the 1e-4 keeps an all-equal group (std 0) at A = 0 instead of 0 / 0. Dr. GRPO (GRPO
+# Done Right) drops the division (--scale-rewards none), because it gives a problem that is nearly
+# always solved, or nearly never, as much weight as one solved half of the time. Our std divides
+# by G, not by G - 1 as TRL's and verl's do, so our A_i is sqrt(G / (G - 1)) times theirs (1.07
+# at G = 8).
 def group_advantages(rewards, group_size, scale="group"):
     """rewards [P * G], each group of G consecutive -> advantages [P * G].
 
@@ -243,11 +242,13 @@ def passk_training_advantages(rewards, args, entropy=None):
 # The clip (--eps-low, --eps-high) keeps one batch from moving the policy far: once a token's ratio
 # leaves the range in the direction its advantage favours, the token gets no gradient. DAPO's
 # clip-higher sets eps_high above eps_low, so that an unlikely token can still gain probability.
-# [our choice] pi_old is the sampling policy as this trainer computes it, not the sampler's own
-# log-probs (vLLM's only check the weight sync, as logp_mismatch_*). With the default --ppo-epochs
-# 1 the update runs once, right after sampling, so rho is exactly 1 and the clip never acts: each
-# step is REINFORCE with the group's mean reward as its baseline. With --ppo-epochs 2 or more the
-# later epochs reuse the batch, and the ratio and the clip start to matter.
+# [our choice] pi_old is the sampling policy's log-probs as this trainer computes them. The
+# sampler's own log-probs (vLLM's) come from other kernels, often in another precision, so a ratio
+# against them would differ from 1 before any update; they only check the weight sync, logged as
+# logp_mismatch_*. With the default --ppo-epochs 1 the update runs once, right after sampling, so
+# rho is exactly 1 and the clip never acts: each step is REINFORCE, a plain policy gradient
+# weighted by the advantage. With --ppo-epochs 2 or more the later epochs reuse the batch, and the
+# ratio and the clip start to matter.
 # k3 = exp(ref - logp) - (ref - logp) - 1 is Schulman's third estimator of the Kullback-Leibler
 # divergence KL(pi_theta || pi_ref) from the starting model pi_ref (--beta; 0 turns it off). It is
 # unbiased as a value on tokens pi_theta sampled, but as a loss its gradient is that of KL(pi_ref
@@ -258,23 +259,23 @@ def policy_loss(logp, old_logp, advantages, eps_low, eps_high, ref_logp=None, be
     adv = advantages[:, None]  # [B, 1]
     ratio = torch.exp(logp - old_logp)  # rho = pi_theta / pi_old   [B, T]
     unclipped = ratio * adv  # rho A   [B, T]
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv  # clip(rho, 1 -+ eps) A
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv  # clip(rho, ...) A   [B, T]
     loss = -torch.min(unclipped, clipped)  # l = -min(rho A, clip(rho) A)   [B, T]
     kl = None
     if beta > 0:
         log_ratio_ref = ref_logp - logp  # [B, T]
-        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3 >= 0; gradient: KL(ref || pi)'s
+        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3 >= 0   [B, T]
         loss = loss + beta * kl  # l + beta k3
     return loss, (clipped < unclipped).float(), kl
 
-# --loss-agg sums the per-token losses into one number in one of three ways, which weigh long and
-# short completions differently:
+# --loss-agg reduces the per-token losses to one number in one of three ways, which weigh long
+# and short completions differently:
 #     token-mean    the sum over the batch's tokens / their number           (DAPO, the default)
 #     seq-mean      the mean over each completion's tokens, then over completions  (original GRPO)
 #     seq-sum-norm  the sum / (the number of completions x --max-new-tokens)  (Dr. GRPO)
 # seq-mean gives each completion the same weight, so a token of a long wrong completion counts for
-# less than one of a short one; token-mean gives each token the same weight; seq-sum-norm divides
-# by a constant, so that no length changes the weight of a token.
+# less than one of a short one, and the policy drifts toward long wrong answers. token-mean gives
+# each token the same weight; seq-sum-norm divides by a constant, so no length changes a token's.
 def aggregate_loss(token_loss, mask, loss_agg, num_tokens, num_sequences, max_new_tokens):
     """One number from the per-token losses [b, T] of a micro-batch. The normalisers are the whole
     batch's, so the micro-batches' results add up to the full batch's loss."""
@@ -286,11 +287,13 @@ def aggregate_loss(token_loss, mask, loss_agg, num_tokens, num_sequences, max_ne
     return masked.sum() / (num_sequences * max_new_tokens)  # seq-sum-norm: sum / (B x T_max)
 
 # A completion whose advantage is 0 adds nothing to the loss but its KL term, so without --beta it
-# is not forwarded at all: the result is exact, and an all-right or all-wrong group costs no
-# compute. It still counts in the normalisers of --loss-agg, so with beta = 0 --filter-groups,
-# which drops such groups, only rescales the loss. clip_frac_trained and entropy_trained in
-# metrics.jsonl therefore cover the forwarded completions only. The weights and AdamW's state are
-# float32; --dtype sets only the precision of the matrix products (autocast, in the plumbing).
+# is not forwarded at all. The loss is the same, and an all-right or all-wrong group costs no
+# compute. Because the skipped completions do not pass through the model, clip_frac_trained and
+# entropy_trained in metrics.jsonl cover the forwarded ones only.
+# The skipped completions still count in the normalisers of --loss-agg. So with beta = 0,
+# --filter-groups, which drops the equal-reward groups before this step, only rescales the loss.
+# The weights and AdamW's state are float32; --dtype sets only the precision of the matrix
+# products (autocast, in the plumbing).
 def train_step(model, optimizer, batch, args, ref_model=None):
     """One sampled batch -> --ppo-epochs optimizer steps; returns diagnostics. batch: "prompts"
     (lists of ids), "samples" (dicts: "ids", and "sampler_logprobs" with vLLM, compared with ours as
@@ -305,18 +308,19 @@ def train_step(model, optimizer, batch, args, ref_model=None):
         active = list(range(num_sequences))
     else:  # only the rows with A != 0 have a gradient
         active = adv.nonzero().squeeze(1).tolist()
-    micro_batches = []  # (rows, ids [b, L + t], attention [b, L + t], mask [b, t]), own widths
+    micro_batches = []  # (rows, ids [b, L + T], attention [b, L + T], mask [b, T]), each as wide as
+    # its own longest prompt (L) and completion (T)
     for start in range(0, len(active), args.micro_batch):
         rows = active[start: start + args.micro_batch]
         prompts = [batch["prompts"][i] for i in rows]
         tensors = build_batch(prompts, [samples[i]["ids"] for i in rows], pad_id)
         micro_batches.append((rows, *(t.to(model.device) for t in tensors)))
-    def logprobs(net, ids, attention, mask, with_entropy=False):  # [b, t] (and entropy [b, t])
+    def logprobs(net, ids, attention, mask, with_entropy=False):  # [b, T] (and entropy [b, T])
         # The rows are one micro-batch already, so token_logprobs forwards them all at once.
         return token_logprobs(net, ids, attention, mask.shape[1], args.temperature,
                               micro_batch=len(ids), with_entropy=with_entropy,
                               compute_dtype=dtype)
-    olds = [None] * len(micro_batches)  # pi_old, fixed at sampling for every epoch (if > 1)
+    olds = [None] * len(micro_batches)  # pi_old with --ppo-epochs > 1: before the first update
     refs = [None] * len(micro_batches)  # pi_ref, for the KL term (if beta > 0)
     with torch.no_grad():
         for index, (rows, ids, attention, mask) in enumerate(micro_batches):
@@ -330,7 +334,7 @@ def train_step(model, optimizer, batch, args, ref_model=None):
         optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(("loss", "clip_frac", "kl", "entropy", "tokens"), 0.0)
         for (rows, ids, attention, mask), old_logp, ref_logp in zip(micro_batches, olds, refs):
-            logp, entropy = logprobs(model, ids, attention, mask, True)  # [b, t] each
+            logp, entropy = logprobs(model, ids, attention, mask, True)  # [b, T] each
             if old_logp is None:
                 old_logp = logp.detach()  # --ppo-epochs 1: pi_old = pi_theta, so rho = 1
             token_loss, clip_won, kl = policy_loss(logp, old_logp, adv[rows].to(model.device),
@@ -340,7 +344,7 @@ def train_step(model, optimizer, batch, args, ref_model=None):
                                   args.max_new_tokens)
             loss.backward()  # the gradients of the micro-batches add up to the batch's
             tokens = mask.bool()
-            for j, i in enumerate(rows):  # vLLM's log-probs, where it sampled the row
+            for j, i in enumerate(rows):  # the weight-sync check, where vLLM sampled the row
                 engine_logp = samples[i].get("sampler_logprobs")
                 if epoch == 0 and engine_logp:
                     ours = logp[j, : len(engine_logp)].detach()  # [tokens]
@@ -351,12 +355,12 @@ def train_step(model, optimizer, batch, args, ref_model=None):
             sums["tokens"] += tokens.sum().item()
             if kl is not None:
                 sums["kl"] += kl[tokens].sum().item()
-        if not sums["tokens"]:
+        if not sums["tokens"]:  # no row was forwarded (every A is 0 and beta = 0): no step
             break
         # The gradient norm over all weights, clipped to --max-grad-norm (0 only measures it).
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                          args.max_grad_norm or float("inf")))
-        stats.update(clip_frac_trained=sums["clip_frac"] / sums["tokens"],  # rows forwarded only
+        stats.update(clip_frac_trained=sums["clip_frac"] / sums["tokens"],  # of the last epoch
                      entropy_trained=sums["entropy"] / sums["tokens"],
                      kl=sums["kl"] / sums["tokens"], loss=sums["loss"], grad_norm=grad_norm)
         if not (math.isfinite(sums["loss"]) and math.isfinite(grad_norm)):  # never apply NaN, inf
@@ -404,6 +408,9 @@ def main(argv=None):
         if run.end_step(step, record, tokens_sampled=sum(lengths), tokens_read=tokens_read):
             break  # --token-budget spent
     return run.finish(train_k=args.k, passk_mode=args.passk_mode, mix=args.mix)
+
+# What to lower when memory runs out, in the one-line error of run_cli (in the plumbing).
+MEMORY_FLAGS = "--micro-batch, --group-size or --max-new-tokens"
 
 # ============================================================================= plumbing
 # Below this line is the plumbing: loading models and data, sampling, log-probs, evaluation,
@@ -468,12 +475,14 @@ def add_common_args(parser):
         help="how many evaluation problems (default: %(default)s)")
     add("--eval-k", type=count, default=4, help="k of the reported pass@k")
     add("--output-dir", help="where the logs and any checkpoints go (default: runs/<script>)")
-    add("--seed", type=bounded(int, 0), default=0, help="the same seed, on a CPU: the same run")
+    add("--seed", type=bounded(int, 0), default=0,
+        help="random seed; on a CPU the same seed gives the same run")
 
 def add_training_args(parser):
     """The flags every trainer has."""
     add = parser.add_argument
-    add("--steps", type=count, default=12, help="optimizer steps, at most (default: %(default)s)")
+    add("--steps", type=count, default=12,
+        help="training steps, at most, each one sampled batch (default: %(default)s)")
     add("--token-budget", type=bounded(int, 0), default=0,
         help="stop after the step at which the tokens counted (--budget-counts) reach N (0: off)")
     add("--budget-counts", default="written", choices=["written", "read+written"],
@@ -513,7 +522,7 @@ def check_args(args, name):
 
 def run_cli(main):
     """main() from the command line. Running out of memory is a one-line error that names the
-    flags to lower: MEMORY_FLAGS, which each script sets near its top."""
+    flags to lower: MEMORY_FLAGS, which each script sets just above the plumbing."""
     try:
         main()
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
@@ -522,7 +531,8 @@ def run_cli(main):
         die(f"out of memory: lower {MEMORY_FLAGS}, or vLLM's --gpu-memory-utilization")
 
 def autocast(device, dtype):
-    """Matmuls in dtype; weights, norms and softmax in fp32 (torch's lists); float32: a no-op."""
+    """Matrix products in dtype, while weights, norms and softmax stay fp32 (torch's autocast
+    lists); with float32 it does nothing."""
     return torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32)
 
 def resolve_model_path(name):
@@ -935,13 +945,15 @@ class Run:
             check_prompt_lengths(self.tokenizer, self.train_problems, args, limit, "--dataset")
             check_prompt_lengths(self.tokenizer, self.eval_problems, args, limit, "held-out")
         self.sampler = Sampler(args.backend, self.model, self.tokenizer, engine, self.compute_dtype)
-        # Fused on a GPU: one kernel, and no temporary the size of a moment (foreach's, on the CPU).
+        # Fused AdamW on a GPU runs one kernel and needs no temporary as large as one of Adam's
+        # moment buffers, as foreach AdamW (the CPU's) does.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.0,
                                            fused=self.device == "cuda")
         self.metrics = open_log(os.path.join(args.output_dir, "metrics.jsonl"),
                                 saved["state"]["step"] if saved else None)
         self.order = np.random.default_rng(args.seed).permutation(len(self.train_problems))
-        if saved:  # the run as it was after that step; the random states last, so it goes on alike
+        if saved:  # restore the run as it was after that step, the random states last, so that
+            # the resumed run draws what the uninterrupted one would have drawn
             self.model.load_state_dict(saved["model"])
             self.optimizer.load_state_dict(saved["optimizer"])
             if engine:
@@ -984,9 +996,10 @@ class Run:
         return stats
 
     def end_step(self, step, record, **counts):
-        """Log the step, add counts to the totals, evaluate and save as asked. counts has
-        tokens_sampled (written by every model, for training) and tokens_read (the prompt each
-        sample read): what --budget-counts adds up. True: --token-budget is spent."""
+        """Log the step, add counts to the totals, evaluate and save as asked. counts holds
+        tokens_sampled (the tokens written for training, by every model that wrote some) and
+        tokens_read (the prompt tokens each sample read), which --budget-counts adds up. Returns
+        True once --token-budget is spent."""
         args, state, totals = self.args, self.state, self.state["totals"]
         seconds = time.time() - self.step_start
         state["step"] = step

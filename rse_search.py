@@ -66,8 +66,6 @@ from tqdm import tqdm
 
 import verifier
 
-# What to lower when memory runs out, in the one-line error of run_cli (in the plumbing).
-MEMORY_FLAGS = "--samples-per-round, --max-new-tokens or --distill-max-new-tokens"
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
@@ -574,6 +572,9 @@ def close_cut_off(text):
     end, closing = cut
     return text[:end] + closing
 
+# What to lower when memory runs out, in the one-line error of run_cli (in the plumbing).
+MEMORY_FLAGS = "--samples-per-round, --max-new-tokens or --distill-max-new-tokens"
+
 # ============================================================================= plumbing
 # Below this line is the plumbing: loading models and data, sampling, log-probs, evaluation,
 # checkpoints and errors. It is the same, word for word, in every trainer (tests/test_consistency.py
@@ -638,7 +639,8 @@ def add_common_args(parser):
         help="how many evaluation problems (default: %(default)s)")
     add("--eval-k", type=count, default=4, help="k of the reported pass@k")
     add("--output-dir", help="where the logs and any checkpoints go (default: runs/<script>)")
-    add("--seed", type=bounded(int, 0), default=0, help="the same seed, on a CPU: the same run")
+    add("--seed", type=bounded(int, 0), default=0,
+        help="random seed; on a CPU the same seed gives the same run")
 
 def make_output_dir(path):
     """--output-dir, created now (before any model loads), or a one-line error."""
@@ -649,7 +651,7 @@ def make_output_dir(path):
 
 def run_cli(main):
     """main() from the command line. Running out of memory is a one-line error that names the
-    flags to lower: MEMORY_FLAGS, which each script sets near its top."""
+    flags to lower: MEMORY_FLAGS, which each script sets just above the plumbing."""
     try:
         main()
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
@@ -658,7 +660,8 @@ def run_cli(main):
         die(f"out of memory: lower {MEMORY_FLAGS}, or vLLM's --gpu-memory-utilization")
 
 def autocast(device, dtype):
-    """Matmuls in dtype; weights, norms and softmax in fp32 (torch's lists); float32: a no-op."""
+    """Matrix products in dtype, while weights, norms and softmax stay fp32 (torch's autocast
+    lists); with float32 it does nothing."""
     return torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32)
 
 def resolve_model_path(name):

@@ -74,8 +74,6 @@ from tqdm import tqdm
 
 import verifier
 
-# What to lower when memory runs out, in the one-line error of run_cli (in the plumbing).
-MEMORY_FLAGS = "--micro-batch, --group-size, --branch-len or --max-new-tokens"
 
 def parse_args(argv=None):
     """The flags of every trainer, then W2SPO's own. add_common_args and add_training_args are in
@@ -604,6 +602,9 @@ def main(argv=None):
             break  # --token-budget spent
     return run.finish()
 
+# What to lower when memory runs out, in the one-line error of run_cli (in the plumbing).
+MEMORY_FLAGS = "--micro-batch, --group-size, --branch-len or --max-new-tokens"
+
 # ============================================================================= plumbing
 # Below this line is the plumbing: loading models and data, sampling, log-probs, evaluation,
 # checkpoints and errors. It is the same, word for word, in every trainer (tests/test_consistency.py
@@ -667,12 +668,14 @@ def add_common_args(parser):
         help="how many evaluation problems (default: %(default)s)")
     add("--eval-k", type=count, default=4, help="k of the reported pass@k")
     add("--output-dir", help="where the logs and any checkpoints go (default: runs/<script>)")
-    add("--seed", type=bounded(int, 0), default=0, help="the same seed, on a CPU: the same run")
+    add("--seed", type=bounded(int, 0), default=0,
+        help="random seed; on a CPU the same seed gives the same run")
 
 def add_training_args(parser):
     """The flags every trainer has."""
     add = parser.add_argument
-    add("--steps", type=count, default=12, help="optimizer steps, at most (default: %(default)s)")
+    add("--steps", type=count, default=12,
+        help="training steps, at most, each one sampled batch (default: %(default)s)")
     add("--token-budget", type=bounded(int, 0), default=0,
         help="stop after the step at which the tokens counted (--budget-counts) reach N (0: off)")
     add("--budget-counts", default="written", choices=["written", "read+written"],
@@ -712,7 +715,7 @@ def check_args(args, name):
 
 def run_cli(main):
     """main() from the command line. Running out of memory is a one-line error that names the
-    flags to lower: MEMORY_FLAGS, which each script sets near its top."""
+    flags to lower: MEMORY_FLAGS, which each script sets just above the plumbing."""
     try:
         main()
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
@@ -721,7 +724,8 @@ def run_cli(main):
         die(f"out of memory: lower {MEMORY_FLAGS}, or vLLM's --gpu-memory-utilization")
 
 def autocast(device, dtype):
-    """Matmuls in dtype; weights, norms and softmax in fp32 (torch's lists); float32: a no-op."""
+    """Matrix products in dtype, while weights, norms and softmax stay fp32 (torch's autocast
+    lists); with float32 it does nothing."""
     return torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32)
 
 def resolve_model_path(name):
@@ -1134,13 +1138,15 @@ class Run:
             check_prompt_lengths(self.tokenizer, self.train_problems, args, limit, "--dataset")
             check_prompt_lengths(self.tokenizer, self.eval_problems, args, limit, "held-out")
         self.sampler = Sampler(args.backend, self.model, self.tokenizer, engine, self.compute_dtype)
-        # Fused on a GPU: one kernel, and no temporary the size of a moment (foreach's, on the CPU).
+        # Fused AdamW on a GPU runs one kernel and needs no temporary as large as one of Adam's
+        # moment buffers, as foreach AdamW (the CPU's) does.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.0,
                                            fused=self.device == "cuda")
         self.metrics = open_log(os.path.join(args.output_dir, "metrics.jsonl"),
                                 saved["state"]["step"] if saved else None)
         self.order = np.random.default_rng(args.seed).permutation(len(self.train_problems))
-        if saved:  # the run as it was after that step; the random states last, so it goes on alike
+        if saved:  # restore the run as it was after that step, the random states last, so that
+            # the resumed run draws what the uninterrupted one would have drawn
             self.model.load_state_dict(saved["model"])
             self.optimizer.load_state_dict(saved["optimizer"])
             if engine:
@@ -1183,9 +1189,10 @@ class Run:
         return stats
 
     def end_step(self, step, record, **counts):
-        """Log the step, add counts to the totals, evaluate and save as asked. counts has
-        tokens_sampled (written by every model, for training) and tokens_read (the prompt each
-        sample read): what --budget-counts adds up. True: --token-budget is spent."""
+        """Log the step, add counts to the totals, evaluate and save as asked. counts holds
+        tokens_sampled (the tokens written for training, by every model that wrote some) and
+        tokens_read (the prompt tokens each sample read), which --budget-counts adds up. Returns
+        True once --token-budget is spent."""
         args, state, totals = self.args, self.state, self.state["totals"]
         seconds = time.time() - self.step_start
         state["step"] = step
