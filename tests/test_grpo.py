@@ -205,6 +205,7 @@ def test_same_seed_same_run(tiny_model_dir, tmp_path):
     (["--loss-agg", "sum"], "argument --loss-agg: invalid choice"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--eval-k", "9"], "--eval-k 9"),
+    (["--eps-low", "1"], "--eps-low 1.0 must be below 1"),
     (["--model", "/no/such/model"], "cannot load model"),
     (["--dataset", "/no/such/file.jsonl"], "no/such/file.jsonl"),
 ])
