@@ -1,62 +1,83 @@
-"""Pass@k Training: GRPO whose reward is Pass@k, the chance that one of k completions is right.
+"""Pass@k Training: GRPO rewarded by Pass@k, the chance that at least one of k completions is right.
 
-GRPO (grpo.py) rewards each completion for being right on its own (Pass@1). Chen et al. ("Pass@k
-Training for Adaptively Balancing Exploration and Exploitation of Large Reasoning Models", arXiv
-2508.10751) find that this makes a policy prefer conservative answers and settle in a local
-optimum, since a completion that tries something new and fails is punished like any other wrong
-one. Pass@k Training scores sets of k completions instead, and a set earns 1 if any member is
-right. A wrong member then costs little, because another member can still be right, so the policy
-can afford to explore; a right answer to a problem that is rarely solved is worth the most.
+The problem: GRPO (grpo.py) rewards each completion for being right on its own (Pass@1). Chen et
+al. ("Pass@k Training for Adaptively Balancing Exploration and Exploitation of Large Reasoning
+Models", arXiv 2508.10751) find that this makes a policy prefer conservative answers and settle in
+a local optimum, since a completion that tries something new and fails is punished like any other
+wrong one.
 
-Notation (the paper's names in brackets):
-    G        completions sampled per prompt, called the group (--group-size) [N_rollout]
-    c        how many of the G are right [N_pos]; the other G - c are wrong [N_neg]
-    k        the size of a subset of the group (--k); a subset scores 1 if any member is right
-    R_mean   the mean score of all C(G, k) subsets; sigma is their standard deviation
-    A_1      GRPO's advantage of completion i, (r_i - mean(r)) / (std(r) + 1e-4), r_i its reward
-    A_passk  this file's advantage: A_pos for a right completion, A_neg for a wrong one
+The idea: score sets of k completions instead, and let a set earn 1 if any member is right. A
+wrong member then costs little, because another member can still be right, so the policy can
+afford to explore; a right answer to a problem that is rarely solved is worth the most.
 
-Steps, for each prompt (--passk-mode analytic, the default):
-  1. Sample G completions and score each 0 or 1 with the verifier, as grpo.py does.
-  2. Score every subset of k completions by its best member's reward, and normalise the scores
-     as GRPO normalises rewards, subtracting R_mean and dividing by sigma.
-  3. Give each completion the mean normalised score of the C(G - 1, k - 1) subsets that hold it.
-     Counting gives it in closed form (Eqs. 11-15), so no subset is ever built:
-        R_mean = 1 - C(G - c, k) / C(G, k)                                        (Eq. 11)
-        sigma  = sqrt(R_mean (1 - R_mean))                                        (Eq. 12)
-        A_pos  = (1 - R_mean) / sigma                                             (Eq. 14)
-        A_neg  = (1 - R_mean - C(G - c - 1, k - 1) / C(G - 1, k - 1)) / sigma     (Eq. 15)
-  4. Train on A_passk with grpo.py's loss.
---passk-mode full and bootstrap build a few subsets instead (Secs. 2.2, 2.3), and --mix blends
-A_passk with A_1 (Eq. 18, Sec. 4); each is explained beside its code below.
+Notation (the code calls a completion a sample where it is drawn, and a row in a batch):
+    x, y_i     a prompt and its i-th completion, i = 1..G (--group-size); y_i,t is its t-th token
+    r_i        the verifier's reward of y_i: 1 if its final answer is right, else 0
+    A_i        the advantage of y_i, which every token of y_i shares
+    pi_theta   the policy being trained; pi_old, the policy that sampled y_i; pi_ref, the start
+    rho_i,t    the ratio pi_theta(y_i,t | x, y_i,<t) / pi_old(y_i,t | x, y_i,<t)
+    eps_low, eps_high, beta   the clip range and the KL weight (--eps-low, --eps-high, --beta)
+    P          the prompts of one training step (--prompts-per-step)
+    c          how many of the G completions are right (the paper's N_pos; G is its N_rollout)
+    k          the size of a subset of the G completions (--k), which the paper calls a group
+    q          the share of the C(G, k) subsets with no right member; R_mean = 1 - q is their mean
+               score (the paper's R-bar_group) and sigma = sqrt(q (1 - q)) their std
+    A_pass1    GRPO's advantage, grpo.py's A_i = (r_i - mean(r)) / (std(r) + 1e-4)
+    A_passk    this file's advantage: A_pos for a right completion, A_neg for a wrong one
+Pass@k is the reward trained on; pass@k, in lower case, is the metric that evaluation reports for
+k = --eval-k, a flag every trainer has. Both k's default to 4; summary.json calls --k train_k.
+
+Steps, once per training step (main; --steps counts them):
+  1. Sample G completions for each of P prompts from pi_theta.
+  2. Score each completion with verifier.reward: r_i in {0, 1}.
+  3. Give each completion the Pass@k advantage A_passk (--passk-mode analytic, the default). That
+     is, score every subset of k completions by its best member's reward, normalise the scores as
+     GRPO normalises rewards, and give each completion the mean normalised score of the
+     C(G - 1, k - 1) subsets that hold it. Counting gives this in closed form, so no subset is
+     ever built (the paper's Eq. 13 is a step of its derivation that the code does not need):
+        q      = C(G - c, k) / C(G, k)                                    (Eq. 11)
+        sigma  = sqrt(q (1 - q))                                          (Eq. 12)
+        A_pos  = q / sigma                                                (Eq. 14)
+        A_neg  = (q - C(G - c - 1, k - 1) / C(G - 1, k - 1)) / sigma      (Eq. 15)
+     --passk-mode full and bootstrap build a few subsets instead (Secs. 2.2, 2.3), and --mix
+     blends A_passk with A_pass1 (Eq. 18, Sec. 4); each is explained beside its code.
+  4. Take --ppo-epochs (default 1) optimizer steps on the clipped loss of every token
+     (policy_loss, aggregate_loss, train_step).
 
 Worked example, G = 4, k = 2, rewards [1, 0, 0, 0]. Of the 6 pairs, the 3 that hold the right
-completion score 1 and the other 3 score 0, so R_mean = 1/2, sigma = 1/2, and a pair's normalised
+completion score 1 and the other 3 score 0, so q = 1/2, sigma = 1/2, and a pair's normalised
 score is +1 or -1. The right completion is in 3 pairs, all +1, so A_pos = 1. A wrong one is in 3
 pairs, one of them with the right completion, so A_neg = (+1 - 1 - 1) / 3 = -1/3. Against GRPO's
-[1.73, -0.58, -0.58, -0.58], a wrong answer costs less and the right one earns less. At the
-defaults (G = 8, k = 4):
+[1.73, -0.58, -0.58, -0.58], a wrong answer costs less and the right one earns less. The table
+below is for the defaults (G = 8, k = 4). Like the equations, it leaves out the 1e-4 that the code
+adds to each std, which moves a few values in the third decimal (the code gives 2.645 for 2.646).
 
-      c    A_1 right    A_1 wrong    A_passk right  A_passk wrong
-      1       2.646       -0.378        1.000         -0.143
-      2       1.732       -0.577        0.522         -0.174
-      3       1.291       -0.775        0.277         -0.166
-      4       1.000       -1.000        0.120         -0.120
-      5-7  0.775 to 0.378  -1.291 to -2.646     0             0
+      c    A_pass1 right    A_pass1 wrong    A_passk right    A_passk wrong
+      1        2.646           -0.378            1.000           -0.143
+      2        1.732           -0.577            0.522           -0.174
+      3        1.291           -0.775            0.277           -0.166
+      4        1.000           -1.000            0.120           -0.120
+      5-7  0.775 to 0.378  -1.291 to -2.646       0                0
 
 In every row c A_pos + (G - c) A_neg = 0, as in GRPO. Pass@k weighs hard problems (small c) most,
 barely punishes a wrong answer, and ignores a problem solved more than G - k times, because then
-every subset holds a right answer. With k = 1 it is GRPO. To carry Pass@k into another GRPO
-trainer, copy passk_group_values and passk_advantages in place of group_advantages.
+every subset holds a right answer. With k = 1, analytic and full give GRPO's advantage with
+--scale-rewards group (the default); bootstrap draws G single completions at random, so it only
+comes near it. To carry Pass@k into another GRPO trainer, copy passk_group_values and
+passk_advantages in place of group_advantages.
 
-Only the advantage changes. The sampling and the update are grpo.py's, word for word, so read
-policy_loss, aggregate_loss and train_step below, or grpo.py's docstring. With the default
---ppo-epochs 1 the ratio pi_theta / pi_old is exactly 1 and the clip never acts, so each step is
-REINFORCE, a plain policy gradient weighted by A_passk.
+Besides the advantage, three things differ from grpo.py. --filter-groups drops the groups that
+Pass@k ignores (c > G - k) as well as the equal-reward ones, since their advantages are all 0 too.
+--scale-rewards sets only A_pass1, which group_advantages computes as in grpo.py, so it acts only
+through --mix. --mix adaptive costs one more forward pass per step, which measures each problem's
+entropy (problem_entropy). The sampling and the update are grpo.py's, word for word, so with the
+default --ppo-epochs 1 each step is REINFORCE, a plain policy gradient weighted by A_i. The
+paper's DAPO clip and token-level loss, without a KL term, are our defaults too; the second run
+below adds its G, k and learning rate, but not its models or data.
 
 Run:
     python passk.py                     # offline default: analytic advantage, k = 4 of G = 8
-    python passk.py --group-size 32 --k 8 --lr 1e-6    # the paper's setting (DAPO's loss, no KL)
+    python passk.py --group-size 32 --k 8 --lr 1e-6
     python passk.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset train.jsonl \
         --eval-dataset test.jsonl
 """
@@ -77,7 +98,6 @@ from tqdm import tqdm
 
 import verifier
 
-
 def parse_args(argv=None):
     """The flags, all shared with the other trainers. add_common_args and add_training_args are in
     the plumbing at the end of the file, with the flags' types and checks."""
@@ -87,12 +107,14 @@ def parse_args(argv=None):
     # Then this method's own flags. bounded (a number type with limits) and die (a one-line
     # error, no traceback) are in the plumbing too.
     add = parser.add_argument
-    add("--k", type=bounded(int, 1), default=4, help="subset size: the k of the Pass@k reward")
+    add("--k", type=bounded(int, 1), default=4,
+        help="subset size, the k of the Pass@k reward (--eval-k is the k of the reported pass@k)")
     add("--passk-mode", default="analytic", choices=["analytic", "bootstrap", "full"],
         help="analytic: all subsets, in closed form; bootstrap: G random ones; full: disjoint ones")
     add("--bootstrap-average", action="store_true", help="bootstrap: mean over subsets, not sum")
     add("--mix", default="none", choices=["none", "combination", "adaptive"],
-        help="blend with GRPO's advantage A_1: weight c/G (Eq. 18) or by entropy (Sec. 4)")
+        help="combination: (c/G) A_passk + (1 - c/G) A_pass1 (Eq. 18); adaptive: A_pass1 for the "
+             "half of the problems with the highest entropy, A_passk for the rest (Sec. 4)")
     args = parser.parse_args(argv)
     if args.k > args.group_size:
         die(f"--k {args.k} is larger than --group-size {args.group_size}, so no subset has "
@@ -107,7 +129,7 @@ def parse_args(argv=None):
         die("--bootstrap-average applies to --passk-mode bootstrap only")
     if args.scale_rewards != "group" and args.mix == "none":
         print("warning: --scale-rewards none changes nothing without --mix, because it sets only "
-              "GRPO's A_1, which --mix blends in; A_passk always divides by sigma", file=sys.stderr)
+              "A_pass1, which --mix blends in; A_passk always divides by sigma", file=sys.stderr)
     return args
 
 # ------------------------------------------------------------------------ the method: advantages
@@ -129,22 +151,26 @@ def group_advantages(rewards, group_size, scale="group"):
         centred = centred / (std + 1e-4)  # A_i = (r_i - mean(r)) / (std(r) + 1e-4)
     return centred.reshape(-1)  # [P * G]
 
-# GRPO's advantage above is A_1. Pass@k's follow, each from rewards [P * G] to advantages [P * G].
+# GRPO's advantage above is A_pass1, and the functions below compute Pass@k's. passk_group_values
+# gives the two values of one group; passk_advantages, _full and _bootstrap each map rewards
+# [P * G] to A_passk [P * G]. The code divides by sigma + 1e-4, where the equations divide by
+# sigma. [our choice] The 1e-4 is grpo.py's epsilon (the authors add 1e-6), so that --k 1 gives
+# grpo.py's advantages exactly. q is a ratio of exact integers rather than 1 - R_mean in floats,
+# which would round a q below about 1e-16 to 0. That happens only when C(G, k) exceeds about 1e16
+# (G = 64, k = 32, for one); the smallest q above 0 is 1/70 at the defaults and about 1e-7 at the
+# paper's G = 32, k = 8.
 def passk_group_values(group_size, c, k, eps=1e-4):
     """(A_pos, A_neg) of a group of group_size completions of which c are right (Eqs. 11-15)."""
-    # q = 1 - R_mean is computed as a ratio of exact integers, because 1 - R_mean in floats would
-    # round a tiny q to 0 and lose its signal. [our choice] sigma + 1e-4 is grpo.py's epsilon (the
-    # authors add 1e-6), so that --k 1 gives grpo.py's advantages exactly.
-    q = math.comb(group_size - c, k) / math.comb(group_size, k)  # 1 - R_mean   (Eq. 11)
-    sigma = math.sqrt(q * (1 - q))  # sigma = sqrt(R_mean (1 - R_mean))   (Eq. 12)
+    q = math.comb(group_size - c, k) / math.comb(group_size, k)  # C(G - c, k) / C(G, k)   (Eq. 11)
+    sigma = math.sqrt(q * (1 - q))  # sigma = sqrt(q (1 - q))   (Eq. 12)
     if sigma == 0:  # no subset differs when all are right, all wrong, or fewer than k wrong
         return 0.0, 0.0
     # Every subset that holds a right completion scores 1, so a right one's mean normalised score
-    # is (1 - R_mean) / sigma. A wrong one's subsets score 1 too, except the share all_wrong of
-    # its C(G - 1, k - 1) subsets whose k - 1 other members are wrong as well.
-    all_wrong = math.comb(group_size - c - 1, k - 1) / math.comb(group_size - 1, k - 1)
-    a_pos = q / (sigma + eps)  # A_pos = (1 - R_mean) / sigma   (Eq. 14)
-    a_neg = (q - all_wrong) / (sigma + eps)  # A_neg = (1 - R_mean - all_wrong) / sigma   (Eq. 15)
+    # is q / sigma. A wrong one's subsets score 1 too, except the share q_wrong of its
+    # C(G - 1, k - 1) subsets whose k - 1 other members are wrong as well; those score 0.
+    q_wrong = math.comb(group_size - c - 1, k - 1) / math.comb(group_size - 1, k - 1)
+    a_pos = q / (sigma + eps)  # A_pos = q / sigma   (Eq. 14)
+    a_neg = (q - q_wrong) / (sigma + eps)  # A_neg = (q - q_wrong) / sigma   (Eq. 15)
     return a_pos, a_neg
 
 def passk_advantages(rewards, group_size, k, eps=1e-4):
@@ -157,27 +183,30 @@ def passk_advantages(rewards, group_size, k, eps=1e-4):
     return torch.where(grouped == 1, values[:, :1], values[:, 1:]).reshape(-1)  # [P * G]
 
 def passk_advantages_full(rewards, group_size, k):
-    """--passk-mode full (Sec. 2.2): split each group into M = floor(G/k) disjoint subsets of k
+    """--passk-mode full (Sec. 2.2): split each group into D = floor(G/k) disjoint subsets of k
     consecutive completions (as good as random, since the G are independent draws), score each
-    subset by its best member, give the M subsets GRPO's advantage A_j among themselves and each
-    completion its subset's; the G - M k left over get 0. Example: G = 6, k = 2, rewards
+    subset by its best member, give the D subsets GRPO's advantage A_j among themselves and each
+    completion its subset's; the G - D k left over get 0. Example: G = 6, k = 2, rewards
     [1, 0, 0, 0, 1, 1]: the subsets score [1, 0, 1], so A = [.71, .71, -1.41, -1.41, .71, .71]."""
     grouped = rewards.float().view(-1, group_size)  # [P, G]
-    M = group_size // k  # disjoint subsets per prompt
-    subset_reward = grouped[:, : M * k].reshape(-1, M, k).amax(dim=2)  # [P, M]
-    subset_adv = group_advantages(subset_reward.reshape(-1), M).view(-1, M)  # A_j   [P, M]
+    D = group_size // k  # disjoint subsets per prompt
+    subset_reward = grouped[:, : D * k].reshape(-1, D, k).amax(dim=2)  # [P, D]
+    subset_adv = group_advantages(subset_reward.reshape(-1), D).view(-1, D)  # A_j   [P, D]
     advantages = torch.zeros_like(grouped)  # [P, G]
-    advantages[:, : M * k] = subset_adv.repeat_interleave(k, dim=1)  # A_i = A_j of i's subset
+    advantages[:, : D * k] = subset_adv.repeat_interleave(k, dim=1)  # A_i = A_j of i's subset
     return advantages.reshape(-1)  # [P * G]
 
 def passk_advantages_bootstrap(rewards, group_size, k, average=False, num_subsets=None):
-    """--passk-mode bootstrap (Sec. 2.3, Eq. 6): draw M = num_subsets (default G) random subsets
-    of k per prompt, score each by its best member, give the M subsets GRPO's advantage A_j among
-    themselves and each completion the sum of A_j over the subsets j that hold it (average=True:
-    their mean; a completion in no subset gets 0). Draws from torch's global generator."""
+    """--passk-mode bootstrap (Sec. 2.3, Eq. 6): draw M = num_subsets (default G; the paper's
+    N_group) random subsets of k per prompt, score each by its best member, give the M subsets
+    GRPO's advantage A_j among themselves and each completion the sum of A_j over the subsets j
+    that hold it (average=True: their mean; a completion in no subset gets 0). Draws from torch's
+    global generator."""
     # With M = G a completion is in k subsets on average, so on hard problems the sum is about k
-    # times the analytic value (the paper's reviewers objected to this) and the mean is close to it.
-    # On easy ones both fall short, because the M subsets drawn often all hold a right completion.
+    # times the analytic value and the mean is close to it. A machine-written review of the paper
+    # (Pith's, pith.science/paper/OEOH5MG6) makes this its first major objection, since Eq. 6 sums
+    # where Eqs. 14-15 average. On easy problems both fall short, because the M subsets drawn
+    # often all hold a right completion.
     grouped = rewards.float().view(-1, group_size)  # [P, G]
     P = grouped.shape[0]
     M = num_subsets or group_size  # random subsets per prompt
@@ -190,24 +219,29 @@ def passk_advantages_bootstrap(rewards, group_size, k, average=False, num_subset
         advantages = advantages / member.sum(dim=1).clamp(min=1)  # [P, G]
     return advantages.reshape(-1)  # [P * G]
 
-def mix_advantages(pass1, passk, rewards, group_size, entropy=None):
-    """--mix: A_1 (pass1) blended with A_passk (passk), [P * G] each -> [P * G]. Without entropy
-    it is the combination (Eq. 18); with each problem's mean token entropy [P], adaptive."""
-    # combination: A = (c/G) A_passk + (1 - c/G) A_1. The source gives this equation; why it leans
-    # on Pass@k for easy problems is our reading. On an easy problem (c = 7 of 8) A_1 pushes hard
-    # against the one wrong completion (-2.646), which sharpens a policy that already solves it and
-    # costs its variety; A_passk there is 0 (c > G - k), so the blend keeps an eighth of A_1
-    # (-0.331). On a hard problem (c = 1) the blend is mostly A_1, which pushes the rare right
-    # completion up harder (2.440) than A_passk alone (1.000) and so exploits a solution just found.
-    if entropy is None:
-        right = rewards.float().view(-1, group_size).mean(dim=1).repeat_interleave(group_size)
-        return right * passk + (1 - right) * pass1  # right = c/G: (c/G) A_passk + (1 - c/G) A_1
-    # adaptive: the P // 2 problems of highest mean token entropy explore already, so they get A_1
-    # to exploit what they find, the others A_passk to explore; ties go to the earlier problem.
+def mix_advantages(mix, a_pass1, a_passk, rewards, group_size, entropy=None):
+    """--mix combination or adaptive: A_pass1 and A_passk, [P * G] each -> [P * G]. The
+    combination reads the rewards [P * G]; adaptive reads each problem's mean token entropy [P]."""
+    if mix == "combination":
+        # A = (c/G) A_passk + (1 - c/G) A_pass1. The source gives this equation (Eq. 18); why it
+        # leans on Pass@k for easy problems is our reading. On an easy problem (c = 7 of 8) A_pass1
+        # pushes hard against the one wrong completion (-2.646), which sharpens a policy that
+        # already solves it and costs its variety; A_passk there is 0 (c > G - k), so the blend
+        # keeps an eighth of A_pass1 (-0.331). On a hard problem (c = 1) the blend is mostly
+        # A_pass1, which pushes the rare right completion up harder (2.440) than A_passk alone
+        # (1.000) and so exploits a solution just found.
+        solve_rate = rewards.float().view(-1, group_size).mean(dim=1)  # c/G of each group   [P]
+        solve_rate = solve_rate.repeat_interleave(group_size)  # [P * G]
+        return solve_rate * a_passk + (1 - solve_rate) * a_pass1  # [P * G]
+    # adaptive (Sec. 4): a problem whose completions have a high mean token entropy is one the
+    # policy still explores, so it gets A_pass1, which exploits what that exploration finds. The
+    # other problems get A_passk, which makes them explore. The high half is the P // 2 problems
+    # of highest entropy (none when P = 1); the sort is stable, so of two problems with the same
+    # entropy the earlier one ranks higher.
     highest = torch.argsort(entropy, descending=True, stable=True)[: len(entropy) // 2]
     use_pass1 = torch.zeros(len(entropy), dtype=torch.bool)  # [P]
     use_pass1[highest] = True  # the half with the highest mean token entropy
-    return torch.where(use_pass1.repeat_interleave(group_size), pass1, passk)  # A_1, else A_passk
+    return torch.where(use_pass1.repeat_interleave(group_size), a_pass1, a_passk)  # [P * G]
 
 @torch.no_grad()
 def problem_entropy(model, prompts, samples, args):
@@ -218,7 +252,8 @@ def problem_entropy(model, prompts, samples, args):
     ids, attention, mask = build_batch(rows, [s["ids"] for s in samples], pad_id)  # mask [B, t]
     dtype = getattr(torch, args.dtype)
     _, entropy = token_logprobs(model, ids.to(model.device), attention.to(model.device),
-                                mask.shape[1], args.temperature, args.micro_batch, True, dtype)
+                                mask.shape[1], args.temperature, micro_batch=args.micro_batch,
+                                with_entropy=True, compute_dtype=dtype)  # entropy [B, t]
     per_completion = (entropy.cpu() * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B]
     return per_completion.view(-1, args.group_size).mean(dim=1)  # [P]
 
@@ -226,15 +261,16 @@ def passk_training_advantages(rewards, args, entropy=None):
     """The advantage trained, as --passk-mode and --mix choose: rewards [P * G] -> [P * G]."""
     G = args.group_size
     if args.passk_mode == "analytic":
-        passk = passk_advantages(rewards, G, args.k)  # Eqs. 11-15
+        a_passk = passk_advantages(rewards, G, args.k)  # Eqs. 11-15
     elif args.passk_mode == "full":
-        passk = passk_advantages_full(rewards, G, args.k)  # floor(G/k) disjoint subsets
+        a_passk = passk_advantages_full(rewards, G, args.k)  # floor(G/k) disjoint subsets
     else:
-        passk = passk_advantages_bootstrap(rewards, G, args.k, args.bootstrap_average)  # Eq. 6
+        a_passk = passk_advantages_bootstrap(rewards, G, args.k,
+                                             average=args.bootstrap_average)  # Eq. 6
     if args.mix == "none":
-        return passk
-    pass1 = group_advantages(rewards, G, args.scale_rewards)  # A_1
-    return mix_advantages(pass1, passk, rewards, G, entropy)
+        return a_passk
+    a_pass1 = group_advantages(rewards, G, args.scale_rewards)  # A_pass1
+    return mix_advantages(args.mix, a_pass1, a_passk, rewards, G, entropy)
 
 # ------------------------------------------------------------------------ the update
 # The loss of token t of completion i, with rho_i,t = pi_theta(y_i,t | x, y_i,<t) / pi_old(...):
@@ -377,14 +413,17 @@ def train_step(model, optimizer, batch, args, ref_model=None):
 # ------------------------------------------------------------------------ the loop
 def main(argv=None):
     args = parse_args(argv)
-    run = Run(args)  # Run (below): data, policy, sampler, optimizer, logs
+    run = Run(args)  # loads the data, the policy, its sampler and optimizer (Run, in the plumbing)
     G = args.group_size
-    for step, problems, prompts in run.steps():
+    for step, problems, prompts in run.steps():  # P problems and their prompts' token ids
+        # 1. y_1..y_G ~ pi_theta(. | x) for each prompt, prompt-major (sample i answers i // G)
         samples = run.sampler.generate(prompts, G, args.max_new_tokens, args.temperature)  # P * G
+        # 2. r_i = reward(y_i): verifier.reward returns a float, 1.0 or 0.0
         texts = [completion_text(run.tokenizer, prompts[i // G], sample["ids"])
                  for i, sample in enumerate(samples)]  # as the verifier reads them
         golds = [p["answer"] for p in problems for _ in range(G)]
         rewards = torch.tensor([verifier.reward(t, g) for t, g in zip(texts, golds)])  # [P * G]
+        # 3. A_i = A_passk, or its blend with A_pass1 under --mix, from the rewards of i's group
         adaptive = args.mix == "adaptive"  # it needs each problem's mean token entropy
         entropy = problem_entropy(run.model, prompts, samples, args) if adaptive else None  # [P]
         advantages = passk_training_advantages(rewards, args, entropy)  # [P * G]
@@ -393,6 +432,7 @@ def main(argv=None):
         # rewards are all equal, as grpo.py does, and also those Pass@k ignores (c > G - k).
         no_signal = (advantages.view(-1, G) == 0).all(dim=1)  # [P]
         rows = [i for i in range(len(samples)) if not (args.filter_groups and no_signal[i // G])]
+        # 4. the update, then the sampler's weights synced (Run.update)
         stats = {}
         if rows:
             stats = run.update([prompts[i // G] for i in rows], [samples[i] for i in rows],
@@ -407,6 +447,7 @@ def main(argv=None):
         tokens_read = G * sum(map(len, prompts))  # each sample reads its prompt
         if run.end_step(step, record, tokens_sampled=sum(lengths), tokens_read=tokens_read):
             break  # --token-budget spent
+    # summary.json's train_k is --k, the Pass@k reward's; its k is --eval-k, the reported pass@k's
     return run.finish(train_k=args.k, passk_mode=args.passk_mode, mix=args.mix)
 
 # What to lower when memory runs out, in the one-line error of run_cli (in the plumbing).

@@ -212,19 +212,19 @@ def test_bootstrap_mechanics():
 def test_combination_by_hand():
     rewards = torch.tensor([1, 1, 0, 0, 0, 0, 0, 1.])  # c/N = 0.5 and 0.25
     pass1, passk_adv = torch.full((8,), 2.0), torch.full((8,), 10.0)
-    got = passk.mix_advantages(pass1, passk_adv, rewards, 4)
+    got = passk.mix_advantages("combination", pass1, passk_adv, rewards, 4)
     assert got.tolist() == pytest.approx([6.0] * 4 + [4.0] * 4)  # 0.5*10 + 0.5*2, 0.25*10 + 0.75*2
     # With the real advantages of [1, 0, 0, 0], k = 2: 0.25 * [1, -1/3] + 0.75 * [sqrt(3), -1/sqrt(3)].
     rewards = torch.tensor([1, 0, 0, 0.])
-    got = passk.mix_advantages(grpo.group_advantages(rewards, 4), passk.passk_advantages(rewards, 4, 2),
-                               rewards, 4)
+    got = passk.mix_advantages("combination", grpo.group_advantages(rewards, 4),
+                               passk.passk_advantages(rewards, 4, 2), rewards, 4)
     assert got.tolist() == pytest.approx([0.25 + 0.75 * math.sqrt(3)] + [-1 / 12 - 0.75 / math.sqrt(3)] * 3,
                                          abs=1e-3)
     # The numbers in mix_advantages's comment, G = 8, k = 4: the wrong completion of an easy
-    # problem (c = 7) keeps an eighth of A_1; the right one of a hard problem (c = 1) mostly A_1.
+    # problem (c = 7) keeps an eighth of A_pass1; the right one of a hard problem (c = 1) mostly A_pass1.
     rewards = torch.tensor([1.0] * 7 + [0.0] + [1.0] + [0.0] * 7)  # c = 7, then c = 1
     pass1, passk_adv = grpo.group_advantages(rewards, 8), passk.passk_advantages(rewards, 8, 4)
-    got = passk.mix_advantages(pass1, passk_adv, rewards, 8)
+    got = passk.mix_advantages("combination", pass1, passk_adv, rewards, 8)
     assert [got[7].item(), got[8].item()] == pytest.approx([-0.331, 2.440], abs=1e-3)  # + 1e-4 eps
 
 
@@ -232,13 +232,14 @@ def test_adaptive_by_hand():
     pass1 = torch.tensor([1.0, 1, 2, 2, 3, 3, 4, 4])  # 4 problems, G = 2
     passk_adv = -pass1
     # Entropy ranks problems 1 and 2 highest: they get Pass@1, problems 0 and 3 get Pass@k.
-    got = passk.mix_advantages(pass1, passk_adv, None, 2, torch.tensor([0.1, 0.9, 0.5, 0.3]))
+    got = passk.mix_advantages("adaptive", pass1, passk_adv, None, 2, torch.tensor([0.1, 0.9, 0.5, 0.3]))
     assert got.tolist() == [-1, -1, 2, 2, 3, 3, -4, -4]
     # Odd count: the top 3 // 2 = 1 gets Pass@1; ties go to the earlier problem.
-    got = passk.mix_advantages(pass1[:6], passk_adv[:6], None, 2, torch.tensor([0.5, 0.5, 0.2]))
+    got = passk.mix_advantages("adaptive", pass1[:6], passk_adv[:6], None, 2, torch.tensor([0.5, 0.5, 0.2]))
     assert got.tolist() == [1, 1, -2, -2, -3, -3]
     # A single problem always trains on Pass@k.
-    assert passk.mix_advantages(pass1[:2], passk_adv[:2], None, 2, torch.tensor([9.0])).tolist() == [-1, -1]
+    assert passk.mix_advantages("adaptive", pass1[:2], passk_adv[:2], None, 2,
+                                torch.tensor([9.0])).tolist() == [-1, -1]
 
 
 def test_flags_pick_the_advantage():
@@ -251,7 +252,7 @@ def test_flags_pick_the_advantage():
     assert torch.equal(passk.passk_training_advantages(rewards, args), passk.passk_advantages_full(rewards, 4, 2))
     args.passk_mode, args.mix = "analytic", "combination"
     assert torch.equal(passk.passk_training_advantages(rewards, args),
-                       passk.mix_advantages(pass1, analytic, rewards, 4))
+                       passk.mix_advantages("combination", pass1, analytic, rewards, 4))
     args.mix = "adaptive"
     got = passk.passk_training_advantages(rewards, args, entropy=torch.tensor([0.0, 1.0]))
     assert torch.equal(got, torch.cat([analytic[:4], pass1[4:]]))
@@ -276,7 +277,7 @@ def test_bad_flags_give_one_line_errors(argv, message):
 
 
 def test_scale_rewards_none_without_mix_warns(capsys):
-    """--scale-rewards sets only A_1, which only --mix uses: without --mix the flag would change
+    """--scale-rewards sets only A_pass1, which only --mix uses: without --mix the flag would change
     nothing, so the run says so at start instead of dropping it silently."""
     passk.parse_args(["--scale-rewards", "none"])
     assert "warning: --scale-rewards none changes nothing without --mix" in capsys.readouterr().err
@@ -299,7 +300,7 @@ def test_docstring_table_matches_the_code():
     assert re.search(r"^\s+5-7\s+0\.775 to 0\.378\s+-1\.291 to -2\.646\s+0\s+0\s*$", passk.__doc__,
                      re.M)
     assert all(passk.passk_group_values(8, c, 4, eps=0.0) == (0.0, 0.0) for c in (5, 6, 7))
-    easy = [(1 - p) / math.sqrt(p * (1 - p)) for p in (5 / 8, 7 / 8)]  # A_1 of a right one
+    easy = [(1 - p) / math.sqrt(p * (1 - p)) for p in (5 / 8, 7 / 8)]  # A_pass1 of a right one
     easy += [-p / math.sqrt(p * (1 - p)) for p in (5 / 8, 7 / 8)]  # and of a wrong one
     assert [f"{x:.3f}" for x in easy] == ["0.775", "0.378", "-1.291", "-2.646"]
     n, k = 8, 4
@@ -363,7 +364,7 @@ def test_resume_continues_the_bootstrap_draws(tiny_model_dir, tmp_path):
 
 
 def test_k1_is_grpo_with_group_scaling_only():
-    """--scale-rewards sets A_1 of --mix only: at --k 1 the Pass@k advantage is GRPO's with the std
+    """--scale-rewards sets A_pass1 of --mix only: at --k 1 the Pass@k advantage is GRPO's with the std
     whatever the flag says, so it is not Dr. GRPO's under --scale-rewards none."""
     rewards = torch.tensor([1, 0, 0, 0, 1, 1, 0, 1.])  # 2 groups of 4
     for scale in ("group", "none"):

@@ -12,7 +12,7 @@ verl hands an estimator the batch's token-level rewards [B, T], the response mas
 it) and the `algorithm` config. passk.py wants rewards [P * G] with each group's G rows consecutive,
 so the rows are gathered by uid (first seen, first), given passk.py's advantage, and put back. The
 settings ride in the algorithm config as new keys (Hydra's "+"): passk_k, passk_mode (analytic,
-full, bootstrap), passk_bootstrap_average, passk_mix (none, combination); --scale-rewards (A_1 of
+full, bootstrap), passk_bootstrap_average, passk_mix (none, combination); --scale-rewards (A_pass1 of
 --mix) is algorithm.norm_adv_by_std_in_grpo. --mix adaptive cannot be carried: it needs each
 problem's mean token entropy under the policy, and verl gives an estimator rewards, masks, uids and
 the config only. verl's own `grpo_passk` is another method (arXiv 2503.19595: only each group's best
