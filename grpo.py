@@ -144,7 +144,8 @@ def aggregate_loss(token_loss, mask, loss_agg, num_tokens, num_sequences, max_ne
 # compute. Because the skipped completions do not pass through the model, clip_frac_trained and
 # entropy_trained in metrics.jsonl cover the forwarded ones only.
 # The skipped completions still count in the normalisers of --loss-agg. So with beta = 0,
-# --filter-groups, which drops the equal-reward groups before this step, only rescales the loss.
+# --filter-groups, which drops the groups whose advantages are all 0 before this step, only
+# rescales the loss.
 # The weights and AdamW's state are float32; --dtype sets only the precision of the matrix
 # products (autocast, in the plumbing).
 def train_step(model, optimizer, batch, args, ref_model=None):
@@ -351,7 +352,8 @@ def add_training_args(parser):
     add("--eps-high", type=bounded(float, 0), default=0.28, help="ratio clip: 1 + eps_high")
     add("--loss-agg", default="token-mean", choices=["token-mean", "seq-mean", "seq-sum-norm"])
     add("--scale-rewards", default="group", choices=["group", "none"], help="none: Dr. GRPO")
-    add("--filter-groups", action="store_true", help="drop groups whose rewards are all equal")
+    add("--filter-groups", action="store_true",
+        help="drop the groups whose advantages are all 0, such as those with equal rewards")
     add("--eval-samples", type=count, default=8, help="samples per evaluation problem")
     add("--eval-every", type=bounded(int, 0), default=0, help="also evaluate every N steps")
     add("--save-every", type=bounded(int, 0), default=0, help="save resume.pt every N steps")

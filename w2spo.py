@@ -693,7 +693,8 @@ def add_training_args(parser):
     add("--eps-high", type=bounded(float, 0), default=0.28, help="ratio clip: 1 + eps_high")
     add("--loss-agg", default="token-mean", choices=["token-mean", "seq-mean", "seq-sum-norm"])
     add("--scale-rewards", default="group", choices=["group", "none"], help="none: Dr. GRPO")
-    add("--filter-groups", action="store_true", help="drop groups whose rewards are all equal")
+    add("--filter-groups", action="store_true",
+        help="drop the groups whose advantages are all 0, such as those with equal rewards")
     add("--eval-samples", type=count, default=8, help="samples per evaluation problem")
     add("--eval-every", type=bounded(int, 0), default=0, help="also evaluate every N steps")
     add("--save-every", type=bounded(int, 0), default=0, help="save resume.pt every N steps")
