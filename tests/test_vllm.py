@@ -165,14 +165,20 @@ def test_the_weight_sync_hands_vllm_its_own_dtype(tiny_model_dir):
     engine = make_engine(tiny_model_dir, torch.bfloat16)
     policy, _ = grpo.load_model(tiny_model_dir, torch.float32, "cpu")
     counter = Count()
-    logging.getLogger("vllm").addHandler(counter)
+    vllm_logger = logging.getLogger("vllm")
+    # Importing TRL (tests/test_engines.py, in the same worker) sets VLLM_LOGGING_LEVEL=ERROR,
+    # which would hide the warnings counted here: the level is set for this test alone.
+    level = vllm_logger.level
+    vllm_logger.setLevel(logging.WARNING)
+    vllm_logger.addHandler(counter)
     try:
         grpo.sync_weights(engine, policy, torch.bfloat16)
         quiet = counter.casts
         engine.collective_rpc("reload_weights",  # what the sync did before: fp32 tensors
                               kwargs={"weights_iterator": iter(policy.state_dict().items())})
     finally:
-        logging.getLogger("vllm").removeHandler(counter)
+        vllm_logger.removeHandler(counter)
+        vllm_logger.setLevel(level)
     assert quiet == 0 and counter.casts > 0, (quiet, counter.casts)
     assert next(policy.parameters()).dtype == torch.float32  # the master weights are untouched
     del engine
