@@ -1,55 +1,75 @@
-"""W2SPO: weak-to-strong off-policy reinforcement learning through auxiliary branches, in one file.
+"""W2SPO: weak-to-strong policy optimization through auxiliary branches, in one file.
 
 The problem: GRPO (Group Relative Policy Optimization, grpo.py) learns only from a group of G
 samples whose rewards differ. On a hard problem the target model's samples tend to fall into the
 same wrong line of reasoning, so that the whole group is wrong and teaches nothing.
 
 The idea (Wang et al., "It Takes 8 Tokens: Weak-to-Strong Off-Policy RL via Auxiliary Branches",
-arXiv 2607.16205, which never spells out W2SPO; we read it as weak-to-strong policy optimization):
-a weaker, cheaper auxiliary model diverts the target in the middle of its reasoning with a branch
-of a few tokens, and the target finishes the solution from there. The branches of both models from
-one state form a group, the verifier scores each finished solution, and only the branch tokens are
-trained. The auxiliary's tokens are off-policy, since the target did not sample them, so their
-loss carries an importance weight w.
+arXiv 2607.16205, RL being reinforcement learning; the source never spells out W2SPO, so the
+expansion in the first line is our reading): a weaker, cheaper auxiliary model diverts the target
+in the middle of its reasoning with a branch of a few tokens, and the target finishes the solution
+from there. The branches of both models from one state form a group, the verifier scores each
+finished solution, and only the branch tokens are trained. The auxiliary's tokens are off-policy,
+since the target did not sample them, so their loss carries an importance weight w.
 
-Notation:
-    x, q       a prompt and the target's prefix rollout of it; |q|, q's tokens before its stop id
-    m          the branch point: the state s = x + q[:m] keeps the rollout's first m tokens
+Notation (the code calls a branch's tokens its ids, and a state with one branch a row in a batch):
+    x, q       a prompt and the target's rollout of it; |q|, q's tokens before its stop id
+    m          the branch point: the state s = x + q[:m] keeps the prefix q[:m] of the rollout
     y_i, c_i   the i-th branch from s (at most --branch-len tokens), and the target's continuation
-    B_t, B_a   the target's and the auxiliary's branches per state (--aux-branches); G = B_t + B_a
+    B_t, B_a   the target's and the auxiliary's branches per state (--aux-branches)
+    G          B_t + B_a, the branches of one state (--group-size counts branches per state here)
     r_i        the verifier's reward of the completion q[:m] + y_i + c_i: 1 if it is right, else 0
     A_i        the advantage of y_i, which every token of y_i shares
-    pi_theta   the target being trained; pi_old, the target that sampled; pi_aux, the auxiliary
-    w, v, C    an auxiliary token's weights in the loss and its KL penalty; their cap, --is-cap
-    P          the prompts of one optimizer step (--prompts-per-step)
-    K          the prompts of a step whose rollout has a branch point; only they form groups
+    pi_theta   the target being trained; pi_old, the target that sampled; pi_ref, the start
+    pi_aux     the frozen auxiliary model (--aux-model)
+    rho_i,t    the ratio pi_theta(y_i,t | s, y_i,<t) / pi_old(y_i,t | s, y_i,<t)
+    eps_low, eps_high, beta   the clip range and the KL weight (--eps-low, --eps-high, --beta)
+    w, v       the importance weights of an auxiliary token's loss and of its KL term
+    C          the cap on w and v (--is-cap)
+    P          the number of prompts of one training step (--prompts-per-step)
+    K          the number of those prompts whose rollout has a branch point; only they form groups
 
-Steps, once per optimizer step (main):
-  1. Sample one prefix rollout q ~ pi_theta(. | x) for each of the P prompts (sample_groups: 1-5).
+Steps, once per training step (main; --steps counts them):
+  1. Sample one rollout q ~ pi_theta(. | x) for each of the P prompts.
   2. Pick a branch point m in [LOW |q|, HIGH |q|] (--branch-range, --branch-at) and below |q|, so
      that the target has not finished at s; a prompt with no such m is skipped.
   3. Sample B_t branches y_i ~ pi_theta(. | s) and B_a branches y_i ~ pi_aux(. | s).
   4. Let the target continue each branch, c_i ~ pi_theta(. | s, y_i), unless y_i wrote a stop id.
-  5. Score r_i, and A_i = (r_i - mean(r)) / (std(r) + 1e-4) within the group   (group_advantages)
-  6. Take one optimizer step on the branch tokens alone, the target's and the auxiliary's alike,
-     each auxiliary token's loss times w   (importance_weights, policy_loss, train_step)
+  5. Score each completion q[:m] + y_i + c_i with verifier.reward: r_i in {0, 1}. sample_groups
+     does steps 1 to 5.
+  6. Compare it with its group: A_i = (r_i - mean(r)) / (std(r) + 1e-4), where std divides by G
+     (group_advantages).
+  7. Train the branch tokens alone, the target's and the auxiliary's alike, with --ppo-epochs
+     (default 1) optimizer steps on the clipped loss, each auxiliary token's loss multiplied by w
+     (importance_weights, policy_loss, aggregate_loss, train_step).
 
 Worked example, G = 4 with B_t = B_a = 2, on "What is 17 + 18? Add them step by step, then give the
-final number." (gold 35). The prefix rollout "17 + 18 = 17 + 10 + 8 = 27 + 8 = 34. The final number
-is 34." has |q| = 37 tokens (SmolLM2 writes one token per digit), so at the default range 0.2 0.8
-m lies in [8, 29]; say m = 25, just after "27 + 8 =". The target's branches " 34. So the final
+final number." (gold 35). The rollout "17 + 18 = 17 + 10 + 8 = 27 + 8 = 34. The final number is
+34." has |q| = 37 tokens (SmolLM2 writes one token per digit), so at the default range 0.2 0.8 m
+lies in [8, 29]; say m = 25, just after "27 + 8 =". The target's branches " 34. So the final
 number" and " 34, and the final number" (8 tokens each) repeat its slip; the auxiliary's " 35. So
 the final number" and " 35, and the final number" do not. The target continues each with " is 34."
-or " is 35.", so r = [0, 0, 1, 1] and A = [-1, -1, 1, 1]. The 16 auxiliary tokens are pushed up and
-the 16 target tokens down, where the target's branches alone would have made an all-wrong group.
-How hard each auxiliary token is pushed depends on w, which importance_weights discusses.
+or " is 35.", so r = [0, 0, 1, 1] and A = [-0.9998, -0.9998, 0.9998, 0.9998], short of 1 by the
+1e-4. The 16 auxiliary tokens are pushed up and the 16 target tokens down, where the target's
+branches alone would have made an all-wrong group. How hard each auxiliary token is pushed depends
+on w, which importance_weights discusses.
 
-The update is grpo.py's, with the options of DAPO (Decoupled clip and Dynamic sAmpling Policy
-Optimization) and Dr. GRPO; group_advantages, policy_loss, aggregate_loss and train_step below
-explain it beside their code, and importance_weights explains what W2SPO adds. The source's method
-section was not available, so every step above that its abstract does not fix is [our choice],
-marked beside its code and switchable by a flag. S2L-PO (arXiv 2605.30789), by contrast, mixes
-whole rollouts of a small model into GRPO groups.
+The update is GRPO's as grpo.py (the trainer that every script here starts from) implements it,
+with the options of DAPO (Decoupled clip and Dynamic sAmpling Policy Optimization) and Dr. GRPO;
+group_advantages, policy_loss, aggregate_loss and train_step explain it beside their code, and
+importance_weights explains what W2SPO adds. S2L-PO (arXiv 2605.30789), by contrast, mixes whole
+rollouts of a small model into GRPO groups.
+
+Our copy of the source holds its abstract, introduction, related work and motivation, but not its
+method section or its experiments. The abstract and the introduction give steps 1, 3, 4 and 5 in
+outline (a rollout of the target, short branches of both models from one of its states, 8 tokens
+long in the main setting, the target's continuation, the verifier's reward), and they say that the
+update is restricted to the inserted segments. The introduction also calls the update
+importance-aware, and reports that W2SPO beat GRPO and branches of the target alone, with fewer
+all-wrong groups. The rest is [our choice], marked beside its code: how m is picked, B_t and B_a,
+the group as the branches of one state, its advantage and the weight w. Most of these choices have
+a flag. Three have none, and their comments say so: the rollout q joins no group, pi_old is the
+trainer's own log-probs, and both models' branches are trained.
 
 Run:
     python w2spo.py                     # offline default: SmolLM2-135M-Instruct and a frozen copy
@@ -74,28 +94,31 @@ from tqdm import tqdm
 
 import verifier
 
-
 def parse_args(argv=None):
     """The flags of every trainer, then W2SPO's own. add_common_args and add_training_args are in
     the plumbing at the end of the file, with the flags' types and checks."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # see the docstring
     add_common_args(parser)  # the model, the data, sampling, evaluation, the output folder
     add_training_args(parser)  # the loop and the update: --lr, --eps-*, --loss-agg, --beta, ...
-    # Then this method's own flags. bounded and positive (number types with limits) and die (a
-    # one-line error, no traceback) are in the plumbing too.
+    # Then W2SPO's own flags. Their types, bounded and positive (numbers with limits), and die,
+    # which ends the run with a one-line error instead of a traceback, are in the plumbing too.
     add = parser.add_argument
-    add("--aux-model", help="frozen auxiliary, the target's vocabulary (default: --model's copy)")
+    add("--aux-model", help="the frozen auxiliary model, which must share the target's vocabulary "
+                            "(default: a copy of --model)")
     add("--aux-temperature", type=positive, help="default 1.3 for the copy, else --temperature")
     add("--aux-branches", type=bounded(int, 0), help="B_a (default: G / 2 rounded up)")
     add("--branch-len", type=bounded(int, 1), default=8, help="tokens per branch (trained)")
     add("--branch-at", default="uniform", choices=["uniform", "entropy"], help="branch point")
     add("--branch-range", type=float, nargs=2, default=[0.2, 0.8], metavar=("LOW", "HIGH"),
-        help="where a branch may start, in fractions of the prefix rollout (before its stop id)")
+        help="where a branch may start, in fractions of the rollout q (before its stop id)")
     add("--aux-is", default="truncated", choices=["truncated", "branch", "clip", "none"],
         help="the importance weight of auxiliary tokens (see importance_weights in w2spo.py)")
-    add("--is-cap", type=positive, default=2.0, help="C: caps w (truncated, branch) and v (--beta)")
+    add("--is-cap", type=positive, default=2.0,
+        help="C: caps w (truncated, branch) and, with --beta, v, which stays per token")
     add("--dual-clip", type=bounded(float, 1, True),
         help="where A < 0, cap each token's loss at this times |A| (default: off)")
+    parser.epilog = ("In W2SPO a group is the G = B_t + B_a branches from one state, so "
+                     "--group-size counts the branches per state.")
     # [our choice] arith-steps (verifier.py) asks for the working, so that a completion has a
     # middle to branch into, which needs more new tokens than arith's bare answer. The other
     # defaults size the README's default run; --help shows them all.
@@ -118,7 +141,9 @@ def parse_args(argv=None):
     # target's, and stands in for a smaller model of the same family.
     if args.aux_temperature is None:
         args.aux_temperature = args.temperature if args.aux_model else 1.3
-    # check_args (plumbing) runs here as well as in Run, because main loads the auxiliary first.
+    # check_args (plumbing) checks what a flag's type cannot and creates --output-dir. Run calls
+    # it too, but main loads the auxiliary before Run, and a bad flag should fail, and the output
+    # folder exist, before that slow load.
     check_args(args, "w2spo")
     return args
 
@@ -127,12 +152,12 @@ def parse_args(argv=None):
 class Branch:
     """A group member. Only its ids y_i are trained; the state s before them and the target's
     continuation c_i after them are context, which decides the reward but gets no gradient."""
-    state: list  # s: the prompt's ids, then the prefix rollout's first m tokens
-    prefix_len: int  # m, the branch point
+    state: list  # s: the prompt's ids x, then the prefix q[:m] of the rollout
+    branch_point: int  # m, the length of the prefix q[:m] (prefix_len_mean in metrics.jsonl)
     ids: list  # y_i: the branch, at most --branch-len tokens (trained)
     by_aux: bool  # sampled by the auxiliary model (off-policy), else by the target
     continuation: list  # c_i: the target's tokens after the branch (none after a stop id in y_i)
-    truncated: bool  # q[:m] + y_i + c_i ran into --max-new-tokens without writing a stop id
+    truncated: bool  # q[:m] + y_i + c_i wrote no stop id within --max-new-tokens (truncated_frac)
     sampler_logprobs: list = None  # vLLM's log-probs of a target branch, to check the weight sync
     aux_logprobs: list = None  # log pi_aux(y_i,t | s, y_i,<t) of an auxiliary branch
     reward: float = 0.0  # r_i
@@ -148,9 +173,9 @@ def branch_candidates(rollout, stop_ids, branch_range):
     return list(range(lowest, highest + 1))
 
 def sample_within(sampler, prompts, budgets, temperature):
-    """One sample per prompt, row i within budgets[i] tokens: the Sampler's dicts (plumbing), and
-    "sampled", the tokens generated. Every generated token counts, and vLLM runs every row to the
-    largest budget before this function cuts it, so there "sampled" can exceed the budget."""
+    """One sample per prompt, row i cut to budgets[i] tokens. It returns the Sampler's dicts (in
+    the plumbing), in which "truncated" means that a sample wrote no stop id within its budget, and
+    adds "sampled" to each, the number of tokens generated for it, since all of them count."""
     if not prompts:
         return []
     vllm = sampler.backend == "vllm"
@@ -160,6 +185,10 @@ def sample_within(sampler, prompts, budgets, temperature):
         limit = torch.tensor(budgets, device=sampler.model.device)  # [rows]
         options["stopping_criteria"] = [lambda ids, scores, **_: ids.shape[1] - width >= limit]
     samples = sampler.generate(prompts, 1, max(budgets), temperature, **options)
+    # A row can come back longer than its budget. vLLM writes every row to the largest budget, so
+    # there "sampled" can exceed it. generate fills a row that stopped at its budget with the pad
+    # token until every row has stopped, and the pad is often the EOS, so the row seems to end with
+    # a stop id. Cutting the row to its budget and marking it truncated makes both right.
     for sample, budget in zip(samples, budgets):
         sample["sampled"] = len(sample["ids"]) if vllm else min(len(sample["ids"]), budget)
         if len(sample["ids"]) > budget:
@@ -169,19 +198,26 @@ def sample_within(sampler, prompts, budgets, temperature):
             sample["sampler_logprobs"] = logprobs[:budget] if logprobs else None
     return samples
 
-# [our choice] The prefix rollout only supplies the states and belongs to no group. A completion
+# [our choice] The rollout q only supplies the states, and it joins no group (no flag changes
+# this). m is picked by looking at q (its length, and under --branch-at entropy its entropies),
+# so q's tokens after m are not a fair sample from s as the fresh branches are. A completion
 # q[:m] + y_i + c_i fits in --max-new-tokens, as a GRPO sample does, so after a late branch point
-# the continuation is short (truncated_frac in metrics.jsonl).
+# little room is left: the continuation may be cut off before it gives an answer (truncated_frac
+# in metrics.jsonl), and then it most likely earns 0.
 def sample_groups(sampler, aux_sampler, tokenizer, prompts, problems, args):
-    """Steps 1-5 for P prompts: the branches of the K kept prompts, group by group (B_t target
-    branches, then B_a auxiliary ones), each with its reward; and the step's token counts."""
+    """Steps 1 to 5 for the P prompts. It returns the branches of the K kept prompts with their
+    rewards r_i, state-major (branch i belongs to state i // G, whose B_t target branches come
+    before its B_a auxiliary ones), and the step's token counts."""
     B_t, B_a = args.target_branches, args.aux_branches
     branch_len, max_new = args.branch_len, args.max_new_tokens
-    # 1. q ~ pi_theta(. | x): one prefix rollout per prompt
+    # 1. q ~ pi_theta(. | x): one rollout per prompt
     rollouts = [r["ids"] for r in sampler.generate(prompts, 1, max_new, args.temperature)]  # P
     entropy = None
-    # [our choice] --branch-at entropy picks the position of highest entropy in the range, as
-    # entropy-guided tree rollouts do (TreeRL, FR3E); Run gives the sampler the policy as its model.
+    # [our choice] --branch-at entropy picks the position of highest entropy in the range, as the
+    # entropy-guided tree rollouts of TreeRL and FR3E (First Return, Entropy-Eliciting Explore) do.
+    # sampler.model is the Hugging Face policy even under --backend vllm (Run, in the plumbing,
+    # gives it to the sampler), so this pass can run. branch_logprobs scores any ids after any
+    # context; here they are the rollouts q after their prompts x.
     if args.branch_at == "entropy":  # entropy[i, t]: of the distribution token t was drawn from
         entropy = branch_logprobs(sampler.model, prompts, rollouts, args.temperature, args,
                                   with_entropy=True)[1].cpu()  # [P, T]
@@ -200,10 +236,11 @@ def sample_groups(sampler, aux_sampler, tokenizer, prompts, problems, args):
     # 3. y ~ pi_aux(. | s): B_a auxiliary branches per state, each at most --branch-len tokens
     aux_samples = sample_within(aux_sampler, [s for s in states for _ in range(B_a)],
                                 [min(branch_len, left) for left in tokens_left for _ in range(B_a)],
-                                args.aux_temperature)  # K * B_a, state-major
-    # 3. and 4. in one call of the target. Its B_t rows per state sample y ~ pi_theta(. | s) and go
-    # on into c ~ pi_theta(. | s, y); a row's first --branch-len tokens are y. The call also
-    # continues each auxiliary branch that wrote no stop id and has tokens left.
+                                args.aux_temperature)  # K * B_a, state-major: j from state j // B_a
+    # Steps 3 and 4 share one call of the target. Its B_t rows per state sample y ~ pi_theta(. | s)
+    # and go on into c ~ pi_theta(. | s, y), so a row's first --branch-len tokens are y. The same
+    # call continues each auxiliary branch that is unfinished and has tokens left; a sample's
+    # "truncated" says that it wrote no stop id within its budget, here --branch-len.
     to_continue = [j for j, sample in enumerate(aux_samples)
                    if sample["truncated"] and len(sample["ids"]) < tokens_left[j // B_a]]
     starts = [s for s in states for _ in range(B_t)]  # K * B_t target rows, state-major
@@ -211,25 +248,26 @@ def sample_groups(sampler, aux_sampler, tokenizer, prompts, problems, args):
     budgets = [left for left in tokens_left for _ in range(B_t)]
     budgets += [tokens_left[j // B_a] - len(aux_samples[j]["ids"]) for j in to_continue]
     target_samples = sample_within(sampler, starts, budgets, args.temperature)
-    continued = dict(zip(to_continue, target_samples[len(states) * B_t:]))  # j -> its c's sample
+    continued = dict(zip(to_continue, target_samples[len(states) * B_t:]))  # j -> the sample of c
     branches = []
     for k, (i, m) in enumerate(kept):
         group = []
         for sample in target_samples[k * B_t: (k + 1) * B_t]:  # y, then c
-            engine_logprobs = sample["sampler_logprobs"] or []  # vLLM's, else none
-            group.append(Branch(state=states[k], prefix_len=m, ids=sample["ids"][:branch_len],
+            sampler_logprobs = sample["sampler_logprobs"] or []  # vLLM's, else none
+            group.append(Branch(state=states[k], branch_point=m, ids=sample["ids"][:branch_len],
                                 by_aux=False, continuation=sample["ids"][branch_len:],
                                 truncated=sample["truncated"],
-                                sampler_logprobs=engine_logprobs[:branch_len] or None))
+                                sampler_logprobs=sampler_logprobs[:branch_len] or None))
         for j in range(k * B_a, (k + 1) * B_a):  # the auxiliary's branches from this state
             continuation = continued[j]["ids"] if j in continued else []
             ending = continued[j] if j in continued else aux_samples[j]  # it ends the completion
-            group.append(Branch(state=states[k], prefix_len=m, ids=aux_samples[j]["ids"],
+            group.append(Branch(state=states[k], branch_point=m, ids=aux_samples[j]["ids"],
                                 by_aux=True, continuation=continuation,
                                 truncated=ending["truncated"]))
         for branch in group:  # 5. r_i = reward(q[:m] + y_i + c_i)
             completion = rollouts[i][:m] + branch.ids + branch.continuation
-            text = completion_text(tokenizer, prompts[i], completion)  # as the verifier reads it
+            # completion_text (plumbing) decodes the completion as the verifier must read it
+            text = completion_text(tokenizer, prompts[i], completion)
             branch.reward = verifier.reward(text, problems[i]["answer"])
         branches += group
     tokens_aux = sum(sample["sampled"] for sample in aux_samples)
@@ -244,11 +282,12 @@ def sample_groups(sampler, aux_sampler, tokenizer, prompts, problems, args):
 # gives each row a copy, through which the gradient flows back into the state's forward. A cache
 # that holds more than keys and values (linear attention, convolutions), or a static or quantised
 # one, cannot be copied so; then every row is forwarded whole, which gives the same numbers.
-def state_logprobs(net, states, branches, temperature, micro_batch, with_entropy=False,
+# pad, build_batch and hidden_logprobs (the output layer's log-probs) are in the plumbing too.
+def state_logprobs(net, states, ids, temperature, micro_batch, with_entropy=False,
                    compute_dtype=torch.float32):
-    """log pi(y_t | s, y_<t) of rows (state s, branch y) [B, T] (fp32), and the entropies [B, T]
+    """log pi(y_t | s, y_<t) of rows (state s, ids y) [B, T] (fp32), and the entropies [B, T]
     (no grad) when asked, else None. They are token_logprobs' numbers, each state forwarded once."""
-    branch_ids, mask = (t.to(net.device) for t in pad(branches, 0))  # [B, T]: padding masked
+    branch_ids, mask = (t.to(net.device) for t in pad(ids, 0))  # [B, T]: padding masked
     parts = []  # per micro-batch: (log-probs [b, T], entropies [b, T] or None)
     for rows in torch.arange(len(states)).split(micro_batch):
         row_states = [tuple(states[i]) for i in rows.tolist()]
@@ -262,8 +301,8 @@ def state_logprobs(net, states, branches, temperature, micro_batch, with_entropy
         layers = getattr(first.past_key_values, "layers", [])  # none: no cache came back
         if not layers or any(type(layer).__name__ not in kv_layers for layer in layers):
             # Every row whole; the first micro-batch decides it for all of them.
-            ids, attention, _ = build_batch(states, branches, 0)
-            return token_logprobs(net, ids.to(net.device), attention.to(net.device), mask.shape[1],
+            full, attention, _ = build_batch(states, ids, 0)
+            return token_logprobs(net, full.to(net.device), attention.to(net.device), mask.shape[1],
                                   temperature, micro_batch, with_entropy, compute_dtype)
         first.past_key_values.batch_select_indices(which)  # [b, ...]: each row's state's cache
         seen = state_mask[which]  # [b, S]
@@ -280,14 +319,17 @@ def state_logprobs(net, states, branches, temperature, micro_batch, with_entropy
     return torch.cat(logp), torch.cat(entropy) if with_entropy else None  # [B, T]
 
 @torch.no_grad()
-def branch_logprobs(net, states, branches, temperature, args, with_entropy=False):
+def branch_logprobs(net, states, ids, temperature, args, with_entropy=False):
     """state_logprobs without gradients, --micro-batch rows at a time, in --dtype."""
-    return state_logprobs(net, states, branches, temperature, args.micro_batch, with_entropy,
+    return state_logprobs(net, states, ids, temperature, args.micro_batch, with_entropy,
                           getattr(torch, args.dtype))
 
 # The update needs pi_aux of the auxiliary's tokens (importance_weights, below). The auxiliary is
 # frozen, so they are computed once per step, here, with what metrics.jsonl logs about them: how
-# far pi_aux is from pi_old, the ratios outside the clip range or above C, and the mean weight w.
+# far pi_aux is from pi_old (aux_log_ratio_mean), the share of ratios pi_old / pi_aux outside the
+# clip range (aux_outside_clip_frac), the share that C caps (aux_capped_frac) and the mean weight
+# w (aux_weight_mean). aux_capped_frac counts tokens, except under --aux-is branch, where C caps
+# one product per branch, so that it counts branches.
 def score_aux_branches(model, aux_model, branches, args):
     """Sets branch.aux_logprobs of every auxiliary branch; returns the logs over all of them."""
     aux_branches = [branch for branch in branches if branch.by_aux]
@@ -302,9 +344,10 @@ def score_aux_branches(model, aux_model, branches, args):
     real = pad(ids, 0)[1].bool().to(old_logp.device)  # [a, T]: the branches' tokens, no padding
     log_ratio = torch.where(real, old_logp - aux_logp, 0.0)  # [a, T]: log pi_old / pi_aux
     ratio = torch.exp(log_ratio[real])  # [auxiliary tokens]
-    outside = (ratio < 1 - args.eps_low) | (ratio > 1 + args.eps_high)  # clip's rho, at first
-    capped = ratio > args.is_cap  # [auxiliary tokens]: where C binds (truncated; v under --beta)
-    if args.aux_is == "branch":  # C binds on the product of a branch's ratios
+    # [auxiliary tokens]: outside the clip range, as --aux-is clip's rho is before any update
+    outside = (ratio < 1 - args.eps_low) | (ratio > 1 + args.eps_high)
+    capped = ratio > args.is_cap  # [auxiliary tokens]: where C caps w (truncated) or v (--beta)
+    if args.aux_is == "branch":  # C caps the product of a branch's ratios
         capped = torch.exp(log_ratio.sum(dim=1)) > args.is_cap  # [a]
     weights = importance_weights(log_ratio, real, args.aux_is, args.is_cap)  # w   [a, T]
     return {"aux_log_ratio_mean": log_ratio[real].mean().item(),  # -KL(pi_aux || pi_old)
@@ -329,11 +372,14 @@ def load_aux(args):
     return aux_model.eval().requires_grad_(False)
 
 # ------------------------------------------------------------------------ the method: advantages
-# Dr. GRPO (GRPO Done Right) drops the division by std(r) with --scale-rewards none: dividing
-# weighs a group whose rewards barely differ as much as one split evenly, which favours problems
-# that are nearly always solved or nearly never. The 1e-4 keeps an all-equal group at A = 0.
-# Our std divides by G, not by G - 1 as TRL's and verl's do, so our A_i is sqrt(G / (G - 1))
-# times theirs (1.07 at G = 8).
+# group_advantages centres each group's rewards on their mean and, by default, divides them by
+# their std; the 1e-4 keeps an all-equal group (std 0) at A = 0 instead of 0 / 0. Dr. GRPO (GRPO
+# Done Right) drops the division (--scale-rewards none), because it gives a problem that is nearly
+# always solved, or nearly never, as much weight as one solved half of the time. Our std divides
+# by G, not by G - 1 as TRL's and verl's do, so our A_i is sqrt(G / (G - 1)) times theirs (1.07
+# at G = 8).
+# In W2SPO a group is the G branches of one state, and only the K kept prompts have one, so the
+# docstring's P * G reads K * G here.
 def group_advantages(rewards, group_size, scale="group"):
     """rewards [P * G], each group of G consecutive -> advantages [P * G].
 
@@ -347,13 +393,16 @@ def group_advantages(rewards, group_size, scale="group"):
     return centred.reshape(-1)  # [P * G]
 
 # ------------------------------------------------------------------------ the update
-# An auxiliary token is off-policy: pi_aux sampled it (at --aux-temperature), not pi_old, as the
-# loss below assumes. --aux-is (IS: importance sampling) picks the correction from log_ratio = log
-# pi_old - log pi_aux; the target's own tokens keep w = 1.
+# An auxiliary token is off-policy. The clipped loss below assumes that pi_old sampled each token,
+# but pi_aux sampled this one (at --aux-temperature). --aux-is (IS: importance sampling) picks the
+# correction from log_ratio = log pi_old - log pi_aux; the target's own tokens keep w = 1.
 #     truncated  w = min(pi_old / pi_aux, C) per token (verl's truncated IS; the default)
 #     branch     w = min(prod_t pi_old / pi_aux, C), one weight for the whole branch
 #     clip       w = 1, and policy_loss takes its ratio against pi_aux: rho = pi_theta / pi_aux
-#     none       w = 1: the token is trained as if the target had sampled it (S2L-PO's code)
+#     none       w = 1, so the token is trained as if the target had sampled it, as the released
+#                code of S2L-PO (the method that the docstring contrasts with W2SPO) does
+# Under every mode but none, the weight v of the KL term is min(pi_old / pi_aux, C) per token,
+# under branch too (policy_loss says why).
 # w is fixed at sampling, so it has no gradient and is the same in every --ppo-epochs epoch. A
 # weight per token is an approximation, as the branch's earlier tokens, and so the reward, came
 # from pi_aux too; branch weighs the whole branch, at the price of a product of --branch-len
@@ -365,11 +414,11 @@ def group_advantages(rewards, group_size, scale="group"):
 # and w damps exactly the tokens through which the auxiliary taught something new. Had the target
 # given the "5" of " 35" in the docstring's example probability 0.1 and the auxiliary 0.5, that
 # token's loss would count w = 0.2 times a target token's. A larger C does not help, as C bounds w
-# from above only. The source calls its update importance-aware, but without its method section we
-# cannot say how it weighs. --aux-is none removes the damping along with the correction; branch
-# damps or raises whole branches; metrics.jsonl logs aux_weight_mean and aux_capped_frac. Over
-# three seeds the README found truncated ahead of none on average, by less than the seeds'
-# spread, and clip behind both.
+# from above only. The source's introduction calls its update importance-aware, but without its
+# method section we cannot say how it weighs. --aux-is none removes the damping along with the
+# correction; branch damps or raises whole branches; metrics.jsonl logs aux_weight_mean and
+# aux_capped_frac. Over three seeds the README found truncated ahead of none on average, by less
+# than the seeds' spread, and clip behind both.
 def importance_weights(log_ratio, is_aux, aux_is, is_cap):
     """w [b, T] of --aux-is from log_ratio = log pi_old - log pi_aux [b, T]; 1 where not is_aux."""
     if aux_is == "truncated":
@@ -386,23 +435,27 @@ def importance_weights(log_ratio, is_aux, aux_is, is_cap):
 # The clip (--eps-low, --eps-high) keeps one batch from moving the policy far: once a token's ratio
 # leaves the range in the direction its advantage favours, the token gets no gradient. DAPO's
 # clip-higher sets eps_high above eps_low, so that an unlikely token can still gain probability.
-# [our choice] pi_old is the sampling policy as this trainer computes it, not the sampler's own
-# log-probs (vLLM's only check the weight sync, as logp_mismatch_*). With the default --ppo-epochs
-# 1 the update runs once, right after sampling, so rho is exactly 1 and the clip never acts: each
-# step is REINFORCE with the group's mean reward as its baseline. With --ppo-epochs 2 or more the
-# later epochs reuse the batch, and the ratio and the clip start to matter.
+# [our choice] pi_old is the sampling policy's log-probs as this trainer computes them. The
+# sampler's own log-probs (vLLM's) come from other kernels, often in another precision, so a ratio
+# against them would differ from 1 before any update; they only check the weight sync, logged as
+# logp_mismatch_*. With the default --ppo-epochs 1 the update runs once, right after sampling, so
+# rho is exactly 1 and the clip never acts: each step is REINFORCE, a plain policy gradient
+# weighted by the advantage. With --ppo-epochs 2 or more the later epochs reuse the batch, and the
+# ratio and the clip start to matter.
 # k3 = exp(ref - logp) - (ref - logp) - 1 is Schulman's third estimator of the Kullback-Leibler
 # divergence KL(pi_theta || pi_ref) from the starting model pi_ref (--beta; 0 turns it off). It is
 # unbiased as a value on tokens pi_theta sampled, but as a loss its gradient is that of KL(pi_ref
 # || pi_theta), the reverse direction; TRL and verl use it the same way.
-# W2SPO's additions: here y_i is a branch, and its context is the state s, not x. l_i,t is
-# multiplied by w_i,t (importance_weights, above), and the k3 term by v_i,t = min(pi_old / pi_aux,
-# C) on an auxiliary token (1 under --aux-is none, and on a target token), because k3 is unbiased
-# only on tokens that pi_theta sampled. Under --aux-is clip the ratio against pi_aux can be far from
-# 1 even in the first epoch: a token with rho > 1 + eps_high and A > 0 then gets no gradient, and
-# one with rho far above 1 and A < 0 an unbounded one. --dual-clip bounds the loss of every token
-# with A < 0 by dual_clip x |A|, as the dual-clip PPO (proximal policy optimization) of Ye et al.
-# (2020) does.
+# In W2SPO y_i is a branch, and its context is the state s, not x. l_i,t is multiplied by w_i,t
+# (importance_weights, above), so that with --ppo-epochs 1 the step is REINFORCE weighted by w as
+# well on an auxiliary token. The k3 term is multiplied by v_i,t = min(pi_old / pi_aux, C) on an
+# auxiliary token (1 under --aux-is none, and on a target token), because k3 is unbiased only on
+# tokens that pi_theta sampled. v stays per token under --aux-is branch too, as each k3_i,t
+# estimates the divergence of one token's distribution, given the tokens before it.
+# Under --aux-is clip the ratio against pi_aux can be far from 1 even in the first epoch: a token
+# with rho > 1 + eps_high and A > 0 then gets no gradient, and one with rho far above 1 and A < 0
+# an unbounded one. --dual-clip bounds the loss of every token with A < 0 by dual_clip * |A|, as
+# the dual-clip PPO (proximal policy optimization) of Ye et al. (2020) does.
 def policy_loss(logp, old_logp, advantages, eps_low, eps_high, ref_logp=None, beta=0.0,
                 weights=1.0, kl_weights=1.0, dual_clip=None):
     """Per-token clipped surrogate (+ k3 KL). logp, old_logp, ref_logp [B, T]; advantages [B].
@@ -411,7 +464,7 @@ def policy_loss(logp, old_logp, advantages, eps_low, eps_high, ref_logp=None, be
     adv = advantages[:, None]  # [B, 1]
     ratio = torch.exp(logp - old_logp)  # rho = pi_theta / pi_old   [B, T]
     unclipped = ratio * adv  # rho A   [B, T]
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv  # clip(rho, 1 -+ eps) A
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv  # clip(rho, ...) A   [B, T]
     loss = -torch.min(unclipped, clipped)  # l = -min(rho A, clip(rho) A)   [B, T]
     if dual_clip:  # where A < 0: l = min(l, -dual_clip A)
         loss = torch.where(adv < 0, torch.clamp(loss, max=-dual_clip * adv), loss)  # [B, T]
@@ -419,19 +472,21 @@ def policy_loss(logp, old_logp, advantages, eps_low, eps_high, ref_logp=None, be
     kl = None
     if beta > 0:
         log_ratio_ref = ref_logp - logp  # [B, T]
-        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3 >= 0; gradient: KL(ref || pi)'s
+        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # k3 >= 0   [B, T]
         kl = kl * kl_weights  # v k3   [B, T]
         loss = loss + beta * kl  # l + beta v k3
     return loss, (clipped < unclipped).float(), kl
 
-# --loss-agg sums the per-token losses into one number in one of three ways, which weigh long and
-# short completions differently:
+# --loss-agg reduces the per-token losses to one number in one of three ways, which weigh long
+# and short completions differently:
 #     token-mean    the sum over the batch's tokens / their number           (DAPO, the default)
 #     seq-mean      the mean over each completion's tokens, then over completions  (original GRPO)
-#     seq-sum-norm  the sum / (the number of completions x --max-new-tokens)  (Dr. GRPO)
+#     seq-sum-norm  the sum / (the number of rows * --branch-len)  (Dr. GRPO, whose constant is
+#                   --max-new-tokens in grpo.py; here a row trains at most --branch-len tokens)
 # seq-mean gives each completion the same weight, so a token of a long wrong completion counts for
-# less than one of a short one; token-mean gives each token the same weight; seq-sum-norm divides
-# by a constant, so that no length changes the weight of a token.
+# less than one of a short one, and the policy drifts toward long wrong answers. token-mean gives
+# each token the same weight; seq-sum-norm divides by a constant, so no length changes a token's.
+# In W2SPO the trained part of a row is its branch, so these weigh long and short branches.
 def aggregate_loss(token_loss, mask, loss_agg, num_tokens, num_sequences, max_new_tokens):
     """One number from the per-token losses [b, T] of a micro-batch. The normalisers are the whole
     batch's, so the micro-batches' results add up to the full batch's loss."""
@@ -443,62 +498,68 @@ def aggregate_loss(token_loss, mask, loss_agg, num_tokens, num_sequences, max_ne
     return masked.sum() / (num_sequences * max_new_tokens)  # seq-sum-norm: sum / (B x T_max)
 
 # A completion whose advantage is 0 adds nothing to the loss but its KL term, so without --beta it
-# is not forwarded at all: the result is exact, and an all-right or all-wrong group costs no
-# compute. It still counts in the normalisers of --loss-agg, so with beta = 0 --filter-groups,
-# which drops such groups, only rescales the loss. clip_frac_trained and entropy_trained in
-# metrics.jsonl therefore cover the forwarded completions only. The weights and AdamW's state are
-# float32; --dtype sets only the precision of the matrix products (autocast, in the plumbing).
+# is not forwarded at all. The loss is the same, and an all-right or all-wrong group costs no
+# compute. Because the skipped completions do not pass through the model, clip_frac_trained and
+# entropy_trained in metrics.jsonl cover the forwarded ones only.
+# The skipped completions still count in the normalisers of --loss-agg. So with beta = 0,
+# --filter-groups, which drops the equal-reward groups before this step, only rescales the loss.
+# The weights and AdamW's state are float32; --dtype sets only the precision of the matrix
+# products (autocast, in the plumbing).
 # In W2SPO a row is a state s and a branch y_i. Only y_i's tokens are trained, so the state is
 # context and the continuation is not forwarded at all. [our choice] Both models' branches are
 # trained, although the abstract's "updates restricted to the inserted segments" may mean the
-# auxiliary's alone; --aux-branches 0 is the paper's ablation with target branches only.
+# auxiliary's alone. No flag trains the auxiliary's branches alone; --aux-branches 0 trains the
+# target's alone, the baseline that the source's introduction compares with.
 def train_step(model, optimizer, batch, args, ref_model=None):
     """One sampled batch -> --ppo-epochs optimizer steps; returns diagnostics. batch: "prompts"
-    (the states s), "samples" (Branch; its sampler_logprobs with vLLM are compared with ours as
-    a check of the weight sync, never used in the ratio), "advantages" [B]."""
+    (here the states s, under the key that Run.update, in the plumbing, uses for every trainer),
+    "samples" (Branch objects; with vLLM their sampler_logprobs are compared with ours as a check
+    of the weight sync, never used in the ratio), "advantages" [B]."""
     adv = batch["advantages"]  # [B]
-    samples = batch["samples"]
+    branches = batch["samples"]  # Branch objects
     dtype = getattr(torch, args.dtype)
     num_sequences = len(adv)
-    num_tokens = max(sum(len(s.ids) for s in samples), 1)
+    num_tokens = max(sum(len(branch.ids) for branch in branches), 1)
     if args.beta > 0:  # every row has a KL term to train
         active = list(range(num_sequences))
     else:  # only the rows with A != 0 have a gradient
         active = adv.nonzero().squeeze(1).tolist()
-    micro_batches = []  # (rows, states s, branches y, mask [b, t]), own widths
+    micro_batches = []  # (rows, states s, ids y, mask [b, T]), each as wide as its own longest
+    # branch (T)
     for start in range(0, len(active), args.micro_batch):
         rows = active[start: start + args.micro_batch]
-        branches = [samples[i].ids for i in rows]
-        mask = pad(branches, 0)[1].to(model.device)  # [b, t]
-        micro_batches.append((rows, [batch["prompts"][i] for i in rows], branches, mask))
-    def logprobs(net, states, branches, with_entropy=False):  # [b, t] (and entropy [b, t])
+        states = [batch["prompts"][i] for i in rows]  # s
+        ids = [branches[i].ids for i in rows]  # y
+        mask = pad(ids, 0)[1].to(model.device)  # [b, T]: 1 on the branches' tokens
+        micro_batches.append((rows, states, ids, mask))
+    def logprobs(net, states, ids, with_entropy=False):  # [b, T] (and entropy [b, T])
         # The rows are one micro-batch already, so state_logprobs forwards them all at once.
-        return state_logprobs(net, states, branches, args.temperature,
+        return state_logprobs(net, states, ids, args.temperature,
                               micro_batch=len(states), with_entropy=with_entropy,
                               compute_dtype=dtype)
-    olds = [None] * len(micro_batches)  # pi_old, fixed at sampling for every epoch (if > 1)
+    olds = [None] * len(micro_batches)  # pi_old with --ppo-epochs > 1: before the first update
     refs = [None] * len(micro_batches)  # pi_ref, for the KL term (if beta > 0)
     with torch.no_grad():
-        for index, (rows, states, branches, mask) in enumerate(micro_batches):
+        for index, (rows, states, ids, mask) in enumerate(micro_batches):
             if args.ppo_epochs > 1:
-                olds[index] = logprobs(model, states, branches)[0]
+                olds[index] = logprobs(model, states, ids)[0]
             if args.beta > 0:
-                refs[index] = logprobs(ref_model, states, branches)[0]
+                refs[index] = logprobs(ref_model, states, ids)[0]
     stats = {"skipped_nonfinite": 0, "trained_sequences": len(active)}
     gaps = []  # |our log-prob - vLLM's| per sampled token, where vLLM sampled
     for epoch in range(args.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(("loss", "clip_frac", "kl", "entropy", "tokens"), 0.0)
-        for (rows, states, branches, mask), old_logp, ref_logp in zip(micro_batches, olds, refs):
-            logp, entropy = logprobs(model, states, branches, True)  # [b, t] each
+        for (rows, states, ids, mask), old_logp, ref_logp in zip(micro_batches, olds, refs):
+            logp, entropy = logprobs(model, states, ids, True)  # [b, T] each
             if old_logp is None:
                 old_logp = logp.detach()  # --ppo-epochs 1: pi_old = pi_theta, so rho = 1
-            # W2SPO: the auxiliary's tokens get w and v (importance_weights), and rho against pi_aux
-            # under --aux-is clip
-            by_aux = torch.tensor([samples[i].by_aux for i in rows], device=model.device)  # [b]
-            is_aux = mask.bool() & by_aux[:, None]  # [b, t]: the auxiliary's tokens
-            aux_rows = [samples[i].aux_logprobs or [0.0] * len(samples[i].ids) for i in rows]
-            aux_logp = pad(aux_rows, 0.0, dtype=torch.float32)[0].to(logp)  # log pi_aux   [b, t]
+            # W2SPO weighs the auxiliary's tokens by w and v (importance_weights), and under
+            # --aux-is clip it takes their ratio against pi_aux.
+            by_aux = torch.tensor([branches[i].by_aux for i in rows], device=model.device)  # [b]
+            is_aux = mask.bool() & by_aux[:, None]  # [b, T]: the auxiliary's tokens
+            aux_rows = [branches[i].aux_logprobs or [0.0] * len(branches[i].ids) for i in rows]
+            aux_logp = pad(aux_rows, 0.0, dtype=torch.float32)[0].to(logp)  # log pi_aux   [b, T]
             log_ratio_aux = torch.where(is_aux, old_logp - aux_logp, 0.0)  # log pi_old / pi_aux
             weights = importance_weights(log_ratio_aux, is_aux, args.aux_is, args.is_cap)  # w
             kl_mode = "none" if args.aux_is == "none" else "truncated"  # v = min(pi_old/pi_aux, C)
@@ -509,26 +570,26 @@ def train_step(model, optimizer, batch, args, ref_model=None):
                                                    args.eps_low, args.eps_high, ref_logp,
                                                    args.beta, weights, kl_weights, args.dual_clip)
             loss = aggregate_loss(token_loss, mask, args.loss_agg, num_tokens, num_sequences,
-                                  args.branch_len)  # seq-sum-norm: no row trains more tokens
+                                  args.branch_len)  # seq-sum-norm's constant is --branch-len here
             loss.backward()  # the gradients of the micro-batches add up to the batch's
             tokens = mask.bool()
-            for j, i in enumerate(rows):  # vLLM's log-probs, where it sampled the row
-                engine_logp = samples[i].sampler_logprobs
-                if epoch == 0 and engine_logp:
-                    ours = logp[j, : len(engine_logp)].detach()  # [tokens]
-                    gaps.append((ours - torch.tensor(engine_logp).to(ours)).abs())
+            for j, i in enumerate(rows):  # the weight-sync check, where vLLM sampled the row
+                sampler_logprobs = branches[i].sampler_logprobs
+                if epoch == 0 and sampler_logprobs:
+                    ours = logp[j, : len(sampler_logprobs)].detach()  # [tokens]
+                    gaps.append((ours - torch.tensor(sampler_logprobs).to(ours)).abs())
             sums["loss"] += loss.item()
             sums["clip_frac"] += clip_won[tokens].sum().item()
             sums["entropy"] += entropy[tokens].sum().item()
             sums["tokens"] += tokens.sum().item()
             if kl is not None:
                 sums["kl"] += kl[tokens].sum().item()
-        if not sums["tokens"]:
+        if not sums["tokens"]:  # no row was forwarded (every A is 0 and beta = 0): no step
             break
         # The gradient norm over all weights, clipped to --max-grad-norm (0 only measures it).
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                          args.max_grad_norm or float("inf")))
-        stats.update(clip_frac_trained=sums["clip_frac"] / sums["tokens"],  # rows forwarded only
+        stats.update(clip_frac_trained=sums["clip_frac"] / sums["tokens"],  # of the last epoch
                      entropy_trained=sums["entropy"] / sums["tokens"],
                      kl=sums["kl"] / sums["tokens"], loss=sums["loss"], grad_norm=grad_norm)
         if not (math.isfinite(sums["loss"]) and math.isfinite(grad_norm)):  # never apply NaN, inf
@@ -543,9 +604,12 @@ def train_step(model, optimizer, batch, args, ref_model=None):
     return stats
 
 # ------------------------------------------------------------------------ the loop
-# What metrics.jsonl logs about a step's branches, besides GRPO's measures. aux_rescued_frac is
-# the paper's measure of the method at work: the groups whose target branches are all wrong but
-# which an auxiliary branch gets right, so that they have a gradient only thanks to the auxiliary.
+# What metrics.jsonl logs about a step's branches, besides GRPO's measures. The source's
+# introduction reports fewer all-wrong groups with W2SPO, and aux_rescued_frac is our measure of
+# that [our choice]: the share of groups whose target branches are all wrong but which an
+# auxiliary branch gets right, so that they have a gradient only thanks to the auxiliary. With
+# --aux-branches equal to G there are no target branches, so target_all_wrong_frac is always 1
+# and aux_rescued_frac is the share of groups with any auxiliary branch right.
 def branch_stats(branches, rewards, args):
     """metrics.jsonl's W2SPO measures of a step's K groups of branches, rewards [K * G]."""
     G = args.group_size
@@ -554,7 +618,7 @@ def branch_stats(branches, rewards, args):
     aux_right = (rewards * by_aux).view(-1, G).sum(dim=1)  # [K]: right auxiliary branches
     stats = {"target_all_wrong_frac": (target_right == 0).float().mean().item(),
              "aux_rescued_frac": ((target_right == 0) & (aux_right > 0)).float().mean().item(),
-             "prefix_len_mean": float(np.mean([branch.prefix_len for branch in branches[::G]])),
+             "prefix_len_mean": float(np.mean([branch.branch_point for branch in branches[::G]])),
              "branch_len_mean": float(np.mean([len(branch.ids) for branch in branches])),
              "continuation_len_mean": float(np.mean([len(br.continuation) for br in branches])),
              "truncated_frac": float(np.mean([branch.truncated for branch in branches]))}
@@ -569,25 +633,28 @@ def main(argv=None):
     aux_model = load_aux(args)  # before Run, so that another vocabulary is refused at once
     run = Run(args)  # loads the data, the policy, its sampler and optimizer (Run, in the plumbing)
     G = args.group_size
-    # Sampler (plumbing) samples with Hugging Face generate or vLLM. The frozen auxiliary always
-    # uses generate, whatever --backend says, in --dtype's precision.
+    # [our choice] The frozen auxiliary samples with Hugging Face generate (Sampler, in the
+    # plumbing) in --dtype's precision, whatever --backend says. The plumbing runs one vLLM engine
+    # in the process, whose share of GPU memory sleeps during each update; a second engine would
+    # need a share and a sleep of its own. The auxiliary writes only --branch-len tokens per
+    # branch, so the slower decoding of generate costs little.
     aux_sampler = Sampler("hf", aux_model.to(run.device, run.compute_dtype), run.tokenizer, None,
                           run.compute_dtype, "--aux-model")
     for step, problems, prompts in run.steps():  # P problems and their prompts' token ids
-        # 1. to 5. prefix rollouts, branch points, branches and continuations, and their rewards
+        # 1. to 5. rollouts, branch points, branches, continuations and their rewards
         branches, counts = sample_groups(run.sampler, aux_sampler, run.tokenizer, prompts,
-                                         problems, args)  # K * G, group-major
+                                         problems, args)  # K * G, state-major
         if not branches:  # no prompt had a branch point: nothing to train
             if run.end_step(step, {}, **counts):
                 break
             continue
         aux_stats = score_aux_branches(run.model, aux_model, branches, args)  # pi_aux, once
         rewards = torch.tensor([branch.reward for branch in branches])  # [K * G]
-        # 5. A_i = (r_i - mean(r)) / (std(r) + 1e-4) within each group
+        # 6. A_i = (r_i - mean(r)) / (std(r) + 1e-4) within each group
         advantages = group_advantages(rewards, G, args.scale_rewards)  # [K * G]
         zero_std = rewards.view(-1, G).std(dim=1) == 0  # [groups]: all rewards equal
         rows = [i for i in range(len(branches)) if not (args.filter_groups and zero_std[i // G])]
-        # 6. the update, then the sampler's weights synced (Run.update)
+        # 7. the update, then the sampler's weights synced (Run.update)
         stats = {}
         if rows:
             stats = run.update([branches[i].state for i in rows], [branches[i] for i in rows],

@@ -46,7 +46,7 @@ def make_batch(tokenizer, args):
         for j in range(8):
             ids = [rng.randrange(1000, 5000) for _ in range(8)]
             by_aux = j >= 4
-            branches.append(w2spo.Branch(state=state, prefix_len=20, ids=ids, by_aux=by_aux,
+            branches.append(w2spo.Branch(state=state, branch_point=20, ids=ids, by_aux=by_aux,
                                          continuation=[], truncated=False,
                                          aux_logprobs=[-rng.random() - 1 for _ in ids] if by_aux
                                          else None, reward=float(rng.random() < 0.4)))

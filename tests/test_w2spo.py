@@ -94,9 +94,9 @@ def test_groups_are_assembled_from_three_calls_within_the_budget(tiny_model_dir)
     for k in range(3):
         group = branches[4 * k: 4 * k + 4]
         assert [br.by_aux for br in group] == [False, False, True, True]
-        assert len({tuple(br.state) for br in group}) == 1 and 4 <= group[0].prefix_len <= 16
+        assert len({tuple(br.state) for br in group}) == 1 and 4 <= group[0].branch_point <= 16
         for br in group:
-            b, z, c = br.prefix_len, br.ids, br.continuation
+            b, z, c = br.branch_point, br.ids, br.continuation
             assert br.state == prompts[k] + [10 + (2 + t) % 80 for t in range(b)]  # r[:b]
             if br.by_aux and len(br.state) % 2 == 0:  # the branch ended in EOS: not continued
                 assert z[-1] == EOS and len(z) == 4 and c == [] and not br.truncated
@@ -114,7 +114,7 @@ def test_branch_stats_log_lengths_and_the_groups_the_auxiliary_rescued():
     and an auxiliary one right (rescued); in the second a target branch is right."""
     args = w2spo.parse_args(["--group-size", "4", "--max-new-tokens", "20"])
     def branch(b, by_aux, ids, continuation, truncated, reward):
-        return w2spo.Branch(state=[1] * (3 + b), prefix_len=b, ids=ids, by_aux=by_aux,
+        return w2spo.Branch(state=[1] * (3 + b), branch_point=b, ids=ids, by_aux=by_aux,
                             continuation=continuation, truncated=truncated, reward=reward)
     branches = [branch(4, False, [5] * 3, [6] * 13, True, 0), branch(4, False, [5] * 3, [EOS], False, 0),
                 branch(4, True, [5] * 3, [6] * 2, False, 1), branch(4, True, [5, EOS], [], False, 0),
@@ -149,7 +149,7 @@ def test_branch_at_entropy_takes_the_most_uncertain_allowed_position(tiny_model_
     rollouts = [[10 + (2 + t) % 80 for t in range(20)] + [EOS]] * 3
     ids, attention, mask = w2spo.build_batch(prompts, rollouts, EOS)
     entropy = w2spo.token_logprobs(model, ids, attention, mask.shape[1], 1.0, 8, True)[1]  # [3, 21]
-    assert [br.prefix_len for br in branches[::8]] == [4 + int(e[4:17].argmax()) for e in entropy]
+    assert [br.branch_point for br in branches[::8]] == [4 + int(e[4:17].argmax()) for e in entropy]
 
 
 def test_branch_logprobs_are_those_of_sampling(tiny_model_dir):
@@ -254,7 +254,7 @@ def toy_branches():
 def as_branches(branches, model_dir, aux_model_dir, *flags):
     """The rows as w2spo.Branch, pi_aux set by score_aux_branches (the auxiliary at --aux-temperature
     1.3, the default), and its diagnostics."""
-    rows = [w2spo.Branch(state=b["state"], prefix_len=len(b["state"]) - b["prompt_len"],
+    rows = [w2spo.Branch(state=b["state"], branch_point=len(b["state"]) - b["prompt_len"],
                          ids=b["branch"], by_aux=b["aux"], continuation=b["continuation"],
                          truncated=False) for b in branches]
     stats = w2spo.score_aux_branches(fresh(model_dir), fresh(aux_model_dir), rows, script_args(*flags))
