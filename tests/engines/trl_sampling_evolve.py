@@ -5,8 +5,8 @@ go into the problem's database D_x, rounds of children are sampled from prompts 
 earlier wrong attempts with their verdicts, and up to --max-evolved right children replace the
 group's last samples, trained as answers to the BARE prompt x. TRL's `rollout_func` sees each
 prompt's G rows at once, so the whole rescue fits in it: it samples the groups, scores them, evolves
-the all-wrong ones with sampling_evolve.py's own functions (add_attempt, solved, evolve_round,
-join_evolved, imported as they are) and returns
+the all-wrong ones with sampling_evolve.py's own functions (add_attempt, has_right_attempt,
+evolve_round, join_evolved, imported as they are) and returns
 
     prompt_ids      x, for every row (a rescued child too: it is trained as an answer to x)
     completion_ids  the sample, or the rescued child in its place
@@ -39,7 +39,7 @@ from trl import GRPOTrainer  # noqa: E402
 
 class EvolveRollout:
     """TRL's rollout_func: P x G conversations (each prompt G times in a row) -> G rows per prompt,
-    all-wrong groups evolved and their right children put in (sampling_evolve.main's steps 1-4)."""
+    all-wrong groups evolved and their right children put in (sampling_evolve.main's steps 1 to 2c)."""
 
     def __init__(self, args, tokenizer, answers):
         self.args, self.tokenizer, self.answers = args, tokenizer, answers  # question -> gold
@@ -64,34 +64,35 @@ class EvolveRollout:
         texts = tokenizer.batch_decode([s["ids"] for s in samples], skip_special_tokens=True)
         golds = [p["answer"] for p in problems for _ in range(G)]
         rewards = torch.tensor([verifier.reward(t, g) for t, g in zip(texts, golds)])  # [P * G]
-        # (2) each all-wrong group is evolved: its G samples are this visit's round 0 of D_x
-        all_wrong = [p for p in range(len(problems)) if rewards[p * G: (p + 1) * G].max() == 0]
-        dbs = [self.databases.setdefault(problems[p]["question"], []) for p in all_wrong]
-        since = [len(db) for db in dbs]  # where this visit's attempts start in each D_x
-        for p, db in zip(all_wrong, dbs):
+        # (2a) each all-wrong group is evolved: its G samples are this visit's round 0 of D_x
+        all_wrong = [p for p in range(len(problems)) if rewards[p * G: (p + 1) * G].max() < 1]
+        dbs = {p: self.databases.setdefault(problems[p]["question"], []) for p in all_wrong}
+        since = {p: len(dbs[p]) for p in all_wrong}  # where this visit's attempts start in D_x
+        for p in all_wrong:
             for k in range(p * G, (p + 1) * G):
-                se.add_attempt(db, texts[k], golds[k], samples[k]["ids"], samples[k]["truncated"],
-                               xs[p], step, 0, [])
-        # (3) rounds r = 1..R for the evolved groups still without a right attempt
+                se.add_attempt(dbs[p], texts[k], golds[k], samples[k]["ids"],
+                               samples[k]["truncated"], xs[p], step, 0, [])
+        # (2b) rounds 1..--rounds for the evolved groups still without a right attempt
         read = written = 0  # evolution's tokens
         for round_ in range(1, args.rounds + 1):
-            active = [j for j, db in enumerate(dbs) if not se.solved(db, since[j])]
+            active = [p for p in all_wrong if not se.has_right_attempt(dbs[p], since[p])]
             if not active:
                 break
-            r, w = se.evolve_round(sampler, tokenizer, [problems[all_wrong[j]] for j in active],
-                                   [dbs[j] for j in active], step, round_, args)
+            r, w = se.evolve_round(sampler, tokenizer, [problems[p] for p in active],
+                                   [dbs[p] for p in active], step, round_, args)
             read, written = read + r, written + w
-        # (4) right children replace wrong samples, as answers to the bare prompt x
+        # (2c) right children replace wrong samples, as answers to the bare prompt x
         samples, rewards, rescues = se.join_evolved(samples, rewards, all_wrong, dbs, since, G,
                                                     args.max_evolved)  # rescues: [(row, child)]
         model.train(training)
         rescued = [{"row": row, "ids": child.ids, "prompt": xs[row // G]} for row, child in rescues]
-        for db in dbs:  # D_x keeps no ids after the step (later steps read texts and verdicts)
+        for db in dbs.values():  # D_x keeps no ids after the step (later ones read texts, verdicts)
             for attempt in db:
                 attempt.ids = attempt.prompt = None
         self.stats.append({"step": step, "all_wrong_groups": len(all_wrong),
                            "rescued": rescued,  # each rescued row: its child's ids, under x
-                           "rescued_groups": sum(se.solved(db, s) for db, s in zip(dbs, since)),
+                           "rescued_groups": sum(se.has_right_attempt(dbs[p], since[p])
+                                                 for p in all_wrong),
                            "evolve_tokens_read": read, "evolve_tokens_written": written})
         return {"prompt_ids": [xs[row // G] for row in range(len(samples))],  # x, rescued rows too
                 "completion_ids": [s["ids"] for s in samples],
