@@ -345,8 +345,9 @@ def train_step(model, optimizer, batch, args, ref_model=None):
         active = list(range(num_sequences))
     else:  # only the rows with A != 0 have a gradient
         active = adv.nonzero().squeeze(1).tolist()
-    micro_batches = []  # (rows, ids [b, L + T], attention [b, L + T], mask [b, T]), each as wide as
-    # its own longest prompt (L) and completion (T)
+    # Each micro-batch is (rows, ids [b, L + T], attention [b, L + T], mask [b, T]), padded only to
+    # its own longest prompt (L) and completion (T).
+    micro_batches = []
     for start in range(0, len(active), args.micro_batch):
         rows = active[start: start + args.micro_batch]
         prompts = [batch["prompts"][i] for i in rows]

@@ -98,7 +98,7 @@ def parse_args(argv=None):
              "problems against independent sampling")
     add("--rounds", type=bounded(int, 0), default=2, help="evolution rounds after round 0")
     add("--children", type=bounded(int, 1), default=4, help="attempts per problem in a round (C)")
-    add("--n-parents", type=bounded(int, 0), default=3, help="earlier attempts a prompt shows (S)")
+    add("--n-parents", type=bounded(int, 0), default=3, help="earlier attempts shown per prompt (S)")
     add("--max-attempt-chars", type=bounded(int, 1), default=200,
         help="how many characters of each shown attempt, its last N")
     add("--max-ruled-out", type=bounded(int, 1), default=20,
@@ -379,8 +379,9 @@ def train_step(model, optimizer, batch, args, ref_model=None):
         active = list(range(num_sequences))
     else:  # only the rows with A != 0 have a gradient
         active = adv.nonzero().squeeze(1).tolist()
-    micro_batches = []  # (rows, ids [b, L + T], attention [b, L + T], mask [b, T]), each as wide as
-    # its own longest prompt (L) and completion (T)
+    # Each micro-batch is (rows, ids [b, L + T], attention [b, L + T], mask [b, T]), padded only to
+    # its own longest prompt (L) and completion (T).
+    micro_batches = []
     for start in range(0, len(active), args.micro_batch):
         rows = active[start: start + args.micro_batch]
         prompts = [batch["prompts"][i] for i in rows]

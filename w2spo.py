@@ -524,8 +524,9 @@ def train_step(model, optimizer, batch, args, ref_model=None):
         active = list(range(num_sequences))
     else:  # only the rows with A != 0 have a gradient
         active = adv.nonzero().squeeze(1).tolist()
-    micro_batches = []  # (rows, states s, ids y, mask [b, T]), each as wide as its own longest
-    # branch (T)
+    # Each micro-batch is (rows, states s, ids y, mask [b, T]), padded only to its own longest
+    # branch (T).
+    micro_batches = []
     for start in range(0, len(active), args.micro_batch):
         rows = active[start: start + args.micro_batch]
         states = [batch["prompts"][i] for i in rows]  # s
