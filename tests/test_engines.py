@@ -413,25 +413,51 @@ def test_passk_on_trl_two_processes(tmp_path):
 
 # ============================================================================== W2SPO on TRL
 
-def w2spo_trainer(tiny, aux, tmp_path, aux_is, forced_rewards=None, steps=2):
+class FixedRollouts:
+    """The target's sampler, except that its first call, the P rollouts q of sample_groups, returns
+    the given rows (ids); every later call samples."""
+
+    def __init__(self, sampler, rows):
+        self.sampler, self.rows = sampler, rows
+
+    def __getattr__(self, name):  # stop_ids, model, backend: the sampler's own
+        return getattr(self.sampler, name)
+
+    def generate(self, prompts, n, *args, **options):
+        if self.rows is None:
+            return self.sampler.generate(prompts, n, *args, **options)
+        rows, self.rows = self.rows, None
+        assert len(rows) == len(prompts) and n == 1
+        return [{"ids": ids, "truncated": self.sampler.stop_ids.isdisjoint(ids),
+                 "sampler_logprobs": None} for ids in rows]
+
+
+def w2spo_trainer(tiny, aux, tmp_path, aux_is, forced_rewards=None, steps=2, loss_agg="token-mean",
+                  micro_batch=8, rollouts=None):
     """trl_w2spo.build_trainer on the tiny model, another tiny model the auxiliary (sampled at 0.7,
     so that many of its tokens lie outside the clip range), P = 2, G = 4; with forced_rewards the
-    branches' rewards are replaced (the random model is never right)."""
+    branches' rewards are replaced (the random model is never right); with rollouts (the P rows
+    of ids) the target's rollouts q are those rows (FixedRollouts)."""
     need("trl")
     import trl_w2spo
     model, tokenizer, folder = tiny
     args = w2spo.parse_args(["--model", folder, "--aux-model", aux, "--aux-temperature", "0.7",
-                             "--dataset", "arith", "--aux-is", aux_is,
+                             "--dataset", "arith", "--aux-is", aux_is, "--loss-agg", loss_agg,
                              "--steps", str(steps), "--prompts-per-step", "2", "--group-size", "4",
-                             "--branch-len", "4", "--max-new-tokens", "12", "--micro-batch", "8",
+                             "--branch-len", "4", "--max-new-tokens", "12",
+                             "--micro-batch", str(micro_batch),
                              "--output-dir", str(tmp_path / "w2spo")])
 
     class Rollout(trl_w2spo.BranchRollout):
+        def samplers(self, trainer):
+            target, aux_sampler = super().samplers(trainer)
+            return (target if rollouts is None else FixedRollouts(target, rollouts)), aux_sampler
+
         def __call__(self, prompts, trainer):
             rows = super().__call__(prompts, trainer)
-            if forced_rewards:
-                rows["w2spo_reward"] = [forced_rewards[i % len(forced_rewards)]
-                                        for i in range(len(rows["w2spo_reward"]))]
+            if forced_rewards:  # a prompt without a branch point keeps its rows' 0 (A = 0)
+                rows["w2spo_reward"] = [forced_rewards[i % len(forced_rewards)] if any(mask) else 0.0
+                                        for i, mask in enumerate(rows["env_mask"])]
             return rows
 
     class Recording(trl_w2spo.W2SPOTrainer):
@@ -476,6 +502,8 @@ def check_weights(batch, model, args):
     states = [batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist() for i in rows]
     ids = [batch["completion_ids"][i][branch[i]].tolist() for i in rows]
     kept = [i for i in rows if ids[i]]  # rows with a branch (not a prompt without a branch point)
+    if not kept:
+        return False
     width = max(len(ids[i]) for i in kept)
     ours_old = w2spo.branch_logprobs(model, [states[i] for i in kept], [ids[i] for i in kept],
                                      args.temperature, args)[0]  # [b, width]
@@ -500,6 +528,27 @@ def check_weights(batch, model, args):
     ours_w = w2spo.importance_weights(log_ratio, is_aux, args.aux_is, args.is_cap)
     assert (ours_w - weights_trl)[real].abs().max() < 1e-5
     return bool(is_aux.any())
+
+
+def w2spo_loss(model, batch, args, pad_id):
+    """w2spo.py's loss on a batch of TRL's, as train_step computes it: the rows with a branch (the
+    K G rows of sample_groups; a prompt without a branch point has none), each forwarded as s + y
+    only (the continuation never), TRL's advantages, the normalisers of those rows."""
+    branch = batch["tool_mask"].bool() & batch["completion_mask"].bool()  # [B, T]
+    kept = [i for i in range(len(branch)) if branch[i].any()]
+    states = [batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist() for i in kept]
+    ids = [batch["completion_ids"][i][branch[i]].tolist() for i in kept]
+    ids_t, attention, mask = grpo.build_batch(states, ids, pad_id)  # mask [K G, T]
+    logp = w2spo.token_logprobs(model, ids_t, attention, mask.shape[1], args.temperature,
+                                len(kept))[0]  # [K G, T]
+    sampled = batch["sampling_per_token_logps"][kept, : mask.shape[1]]  # pi_aux, NaN: the target's
+    is_aux = ~torch.isnan(sampled) & mask.bool()
+    log_ratio = torch.where(is_aux, logp.detach() - torch.nan_to_num(sampled), 0.0)
+    weights = w2spo.importance_weights(log_ratio, is_aux, args.aux_is, args.is_cap)
+    token_loss = w2spo.policy_loss(logp, logp.detach(), batch["advantages"][kept], args.eps_low,
+                                   args.eps_high, weights=weights)[0]
+    return w2spo.aggregate_loss(token_loss, mask, args.loss_agg, mask.sum(), len(kept),
+                                args.branch_len)
 
 
 def check_gradient(batch, token_grad):
@@ -533,23 +582,51 @@ def test_w2spo_on_trl_weights_and_mask_equal_ours(tiny, tiny_aux, tmp_path, aux_
     theirs_grads = grads(model)
     assert check_gradient(batch, trainer.trained_logps.grad)
     assert check_weights(batch, model, args)
-    # ours: w2spo.py's loss on s + y only (the continuation never forwarded)
-    branch = batch["tool_mask"].bool() & batch["completion_mask"].bool()
-    index = range(len(batch["advantages"]))
-    states = [batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist() for i in index]
-    ids = [batch["completion_ids"][i][branch[i]].tolist() for i in index]
-    ids_t, attention, mask = grpo.build_batch(states, ids, tiny[1].pad_token_id)
     model.zero_grad()
-    logp = w2spo.token_logprobs(model, ids_t, attention, mask.shape[1], args.temperature, 8)[0]
-    aux = torch.nan_to_num(batch["sampling_per_token_logps"][:, : mask.shape[1]]) * mask
-    is_aux = ~torch.isnan(batch["sampling_per_token_logps"][:, : mask.shape[1]]) & mask.bool()
-    weights = w2spo.importance_weights(torch.where(is_aux, logp.detach() - aux, 0.0), is_aux,
-                                       args.aux_is, args.is_cap)
-    token_loss = w2spo.policy_loss(logp, logp.detach(), batch["advantages"], args.eps_low,
-                                   args.eps_high, weights=weights)[0]
-    ours = w2spo.aggregate_loss(token_loss, mask, "token-mean", mask.sum(), len(ids), args.branch_len)
+    ours = w2spo_loss(model, batch, args, tiny[1].pad_token_id)
     ours.backward()
     assert abs(ours.item() - theirs.item()) < 1e-6
+    assert max_gap(grads(model), theirs_grads) < 1e-6
+    model.zero_grad()
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean", "seq-sum-norm"])
+def test_w2spo_on_trl_loss_equals_ours_when_a_prompt_has_no_branch_point(tiny, tiny_aux, tmp_path,
+                                                                         loss_agg):
+    """P = 2 prompts whose rollouts are fixed: the first's 12 tokens long, the second's a lone EOS,
+    which leaves no branch point, so TRL gets G rows that train nothing for it. One optimizer step
+    as TRL runs it, two micro-batches of 4 (gradient accumulation 2): the sum of TRL's two losses
+    and their gradient equal w2spo.py's loss over the K G = 4 rows of the first prompt alone, for
+    every --loss-agg."""
+    model, tokenizer, folder = tiny
+    written = tokenizer("12 + 30 = 42, so", add_special_tokens=False)["input_ids"][:12]
+    trainer, rollout, args = w2spo_trainer(tiny, tiny_aux, tmp_path, "truncated",
+                                           forced_rewards=[1.0, 0.0, 1.0, 0.0], steps=1,
+                                           loss_agg=loss_agg, micro_batch=4,
+                                           rollouts=[written, [tokenizer.eos_token_id]])
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    model.train()
+    rows = [dict(row) for row in trainer.train_dataset.select(range(2)) for _ in range(4)]
+    trainer.current_gradient_accumulation_steps = 2  # what the Trainer sets for this step
+    model.zero_grad()
+    batches, theirs = [], 0.0
+    for step in range(2):  # TRL's own split of the generation batch into its micro-batches
+        trainer._step = step
+        batches.append(trainer._prepare_inputs(rows))
+        loss = trainer._compute_loss(trainer.model, batches[-1])
+        loss.backward()  # the micro-batches' gradients add up, as in the Trainer
+        theirs += loss.item()
+    theirs_grads = grads(model)
+    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask",
+            "advantages", "sampling_per_token_logps")
+    batch = {key: torch.cat([part[key] for part in batches]) for key in keys}  # the 8 rows
+    branched = (batch["tool_mask"] * batch["completion_mask"]).sum(dim=1) > 0  # [8]
+    assert rollout.stats[-1]["skipped_prompts"] == 1 and branched.sum() == 4
+    model.zero_grad()
+    ours = w2spo_loss(model, batch, args, tokenizer.pad_token_id)
+    ours.backward()
+    assert max(g.abs().max().item() for g in grads(model)) > 1e-4  # the step has signal
+    assert abs(ours.item() - theirs) < 1e-6
     assert max_gap(grads(model), theirs_grads) < 1e-6
     model.zero_grad()
 

@@ -30,7 +30,16 @@ What TRL cannot express (each refused here with a one-line error, and shown in t
     own engine at init). When the rollout samples with Hugging Face generate (--backend hf, the CPU
     default), W2SPOTrainer sets the flag after init, so that TRL's correction code runs as it is, and
     marks the (shared) weights as synced. With --backend vllm the target samples on TRL's engine.
-A prompt without a branch point (its rollout too short) gets G rows of one masked token (A = 0).
+A prompt without a branch point (its rollout too short) has no group in w2spo.py, but TRL needs
+G rows for each of its prompts: it gets G rows of one masked token (A = 0), which train nothing.
+TRL's "grpo" and "dr_grpo" losses (--loss-agg seq-mean, seq-sum-norm) divide by the rows, though:
+each micro-batch by its own rows (b) and the accumulation steps, and the processes' gradients are
+averaged, so one step divides by all P G rows, where w2spo.py divides by the K G rows of its kept
+prompts. W2SPOTrainer counts, for each generation batch (one optimizer step's rows on a process),
+the rows that have a branch, gathers both counts from every process, and multiplies each
+micro-batch's loss by P G / (K G): the step's loss and gradient are then w2spo.py's, on any number
+of processes and accumulation steps. --loss-agg token-mean ("dapo") divides by the trained tokens,
+which the masked rows do not add to, so it needs no factor.
 Both models' rows are forwarded whole, continuation included (w2spo.py forwards only s + y).
 
 Run (CPU, a quick look):  python tests/engines/trl_w2spo.py --steps 2 --prompts-per-step 2 --group-size 4
@@ -74,7 +83,8 @@ def w2spo_config(args, output_dir, num_processes=1):
 
 class W2SPOTrainer(GRPOTrainer):
     """GRPOTrainer whose importance-sampling correction also runs when the rollout samples without
-    TRL's vLLM engine (see the module docstring)."""
+    TRL's vLLM engine, and whose per-row normalisers count w2spo.py's rows, those with a branch
+    (see the module docstring)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -86,6 +96,21 @@ class W2SPOTrainer(GRPOTrainer):
         if self.samples_itself:  # no TRL engine: its weights are the policy's own
             self._last_loaded_step = self.state.global_step
         return super()._generate(prompts)
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        trained = output["completion_mask"] * output["tool_mask"]  # [b, T]: the branches' tokens
+        counts = torch.tensor([len(trained), (trained.sum(dim=1) > 0).sum().item()],
+                              device=self.accelerator.device)  # (rows, rows with a branch)
+        rows, branched = self.accelerator.gather(counts).view(-1, 2).sum(dim=0).tolist()
+        self.rows_per_branch_row = rows / max(branched, 1)  # P G / (K G), over every process
+        return output
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        if self.loss_type in ("grpo", "dr_grpo"):  # per-row normalisers: w2spo.py's K G rows
+            loss = loss * self.rows_per_branch_row
+        return loss
 
 
 class BranchRollout:
