@@ -361,6 +361,58 @@ def test_passk_on_verl_dispatch_equals_passk(settings, norm):
     torch.testing.assert_close(theirs, expected, atol=1e-6, rtol=0)
 
 
+def test_passk_on_verl_default_trainer_gives_padding_rows_zero():
+    """verl 0.9.1's default trainer (v1) pads a batch that is not a multiple of its data-parallel and
+    mini-batch sizes with rows under one new uid, f"pad{uuid4().hex}", whose response mask and reward
+    are 0 (padding_utils.upsample_batch_to_divisible_size, construct_minimal_padding_template), and
+    its balancing reorders the rows; then its advantage step calls
+    compute_advantage_for_multi_trajectories. Through that function, 3 padding rows among three
+    interleaved groups of 8: the padding rows get A = 0, every real row passk.py's advantage."""
+    need("verl")
+    import uuid
+    import numpy as np
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.trainer.ppo.padding_utils import construct_minimal_padding_template
+    from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
+    import verl_passk
+    G, P, T, k, pads = 8, 3, 5, 4, 3
+    g = torch.Generator().manual_seed(5)
+    rewards = (torch.rand(P * G, generator=g) < torch.tensor([0.2, 0.5, 0.8]).repeat_interleave(G)
+               ).float()  # [P * G], groups of G consecutive
+    lengths = torch.randint(1, T + 1, (P * G,), generator=g)
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()  # [P * G, T]
+    token_rewards = torch.zeros(P * G, T)
+    token_rewards[torch.arange(P * G), lengths - 1] = rewards  # verl: the reward on the last token
+    source = {"responses": torch.ones(T, dtype=torch.long), "response_mask": mask[0],
+              "rm_scores": token_rewards[0]}
+    template, tag = construct_minimal_padding_template(source, {}, eos_token_id=2)
+    assert tag["is_padding"] and template["response_mask"].sum() == 0
+    pad_mask = torch.zeros(pads, T)  # padded to the batch's responses, as to_padded_tensor does
+    pad_mask[:, :1] = template["response_mask"]
+    pad_rewards = torch.zeros(pads, T)
+    pad_rewards[:, :1] = template["rm_scores"]
+    pad_uid = f"pad{uuid.uuid4().hex}"  # upsample_batch_to_divisible_size's uid for its rows
+    uids = [str(uuid.uuid4()) for _ in range(P)]  # the trainer's uids, one per prompt
+    order = torch.randperm(P * G + pads, generator=g)  # real rows 0..P G - 1, then the padding
+    all_uids = [uids[i // G] if i < P * G else pad_uid for i in order.tolist()]
+    keys = [f"{uid}_0_0" if i < P * G else f"{uid}_{i - P * G}_0"  # {uid}_{session}_{index}
+            for uid, i in zip(all_uids, order.tolist())]
+    data = DataProto.from_dict(
+        tensors={"token_level_rewards": torch.cat([token_rewards, pad_rewards])[order],
+                 "response_mask": torch.cat([mask, pad_mask])[order]},
+        non_tensors={"uid": np.array(all_uids, dtype=object)})
+    config = OmegaConf.create({"adv_estimator": verl_passk.NAME, "norm_adv_by_std_in_grpo": True,
+                               "passk_k": k})
+    out = compute_advantage_for_multi_trajectories(data, batch_keys=keys,
+                                                   adv_estimator=verl_passk.NAME, num_repeat=G,
+                                                   config=config)
+    ours = torch.cat([passk.passk_advantages(rewards, G, k), torch.zeros(pads)])  # [P G + pads]
+    expected = (ours[:, None] * torch.cat([mask, pad_mask]))[order]  # [B, T] in verl's order
+    assert ours.abs().max() > 0.1 and (order[:-1] >= P * G).any()  # signal; padding in between
+    torch.testing.assert_close(out.batch["advantages"], expected, atol=1e-6, rtol=0)
+
+
 # ============================================================================== Pass@k on TRL, 2 processes
 
 def free_port():

@@ -10,8 +10,15 @@ verl's GRPO machinery with the settings of verl_grpo.py.
 verl hands an estimator the batch's token-level rewards [B, T], the response mask [B, T], each row's
 `uid` (rows of one prompt share it; verl keeps them together, the function below does not rely on
 it) and the `algorithm` config. passk.py wants rewards [P * G] with each group's G rows consecutive,
-so the rows are gathered by uid (first seen, first), given passk.py's advantage, and put back. The
-settings ride in the algorithm config as new keys (Hydra's "+"): passk_k, passk_mode (analytic,
+so the rows are gathered by uid (first seen, first), given passk.py's advantage, and put back.
+verl's default trainer (v1) pads a batch that is not a multiple of its data-parallel and mini-batch
+sizes with synthetic rows (verl/trainer/ppo/padding_utils.py, upsample_batch_to_divisible_size),
+all under one new uid, "pad" + uuid4().hex, with response mask and reward 0; their "is_padding" tag
+does not reach an estimator, their uid does (its own uids are str(uuid4()), which never start with
+"pad"). Those rows are no group: they get A = 0, as verl's GRPO gives them, and the others form the
+groups.
+
+The settings ride in the algorithm config as new keys (Hydra's "+"): passk_k, passk_mode (analytic,
 full, bootstrap), passk_bootstrap_average, passk_mix (none, combination); --scale-rewards (A_pass1 of
 --mix) is algorithm.norm_adv_by_std_in_grpo. --mix adaptive cannot be carried: it needs each
 problem's mean token entropy under the policy, and verl gives an estimator rewards, masks, uids and
@@ -25,6 +32,7 @@ verl`, in verl/__init__.py), so the name is registered before the first step:
         python -m verl.trainer.main_ppo $(python tests/engines/verl_passk.py --k 4) \\
         actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct data.train_files=train.parquet ...
 """
+import re
 import sys
 from argparse import Namespace
 from pathlib import Path
@@ -35,6 +43,7 @@ import passk  # noqa: E402  (the method: imported, never copied)
 import verl_grpo  # noqa: E402  (GRPO's settings, which Pass@k keeps)
 
 NAME = "passk_training"  # algorithm.adv_estimator=passk_training
+PADDING_UID = re.compile(r"pad[0-9a-f]{32}")  # verl's padding rows' uid (padding_utils.py)
 
 
 def hydra_overrides(args):
@@ -80,14 +89,15 @@ def register():
         scores = token_level_rewards.sum(dim=-1)  # [B]: one outcome reward per response
         groups = {}  # uid -> its rows, in the batch's order; uids in the order first seen
         for row, uid in enumerate(index):
-            groups.setdefault(uid, []).append(row)
+            if not PADDING_UID.fullmatch(str(uid)):  # verl's padding rows join no group
+                groups.setdefault(uid, []).append(row)
         sizes = {len(rows) for rows in groups.values()}
         if len(sizes) != 1:
             raise ValueError(f"Pass@k needs groups of one size (rollout.n); got sizes {sorted(sizes)}")
-        order = torch.tensor([row for rows in groups.values() for row in rows])  # [B]: grouped
+        order = torch.tensor([row for rows in groups.values() for row in rows])  # [P * G]: grouped
         settings = passk_settings(config, sizes.pop())
         grouped = passk.passk_training_advantages(scores[order].cpu(), settings)  # [P * G]
-        advantages = torch.empty_like(scores)  # [B]
+        advantages = torch.zeros_like(scores)  # [B]: a padding row keeps A = 0
         advantages[order] = grouped.to(scores)  # each row's own advantage, in verl's order
         advantages = advantages[:, None] * response_mask  # [B, T]: every token of y_i gets A_i
         return advantages, advantages  # (advantages, returns), as verl's GRPO returns them
