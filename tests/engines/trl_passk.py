@@ -5,7 +5,8 @@ Only the advantage changes between GRPO and Pass@k Training. TRL computes GRPO's
 whose completions sit on two processes is normalised as one), and keeps this process's slice. The
 subclass below lets TRL do all of that, then replaces the slice with passk.py's
 `passk_training_advantages` of the same gathered rewards. Everything else (sampling, the clipped
-loss, the optimizer, many processes through accelerate) is TRL's, with the settings of trl_grpo.py.
+loss, the optimizer, many processes through accelerate) is TRL's, with the settings, the reward
+and the skipped steps without signal of trl_grpo.py.
 
 Two things are needed that passk.py's one process does not: the gathered rewards, which TRL computes
 in `_calculate_rewards` and does not keep (the subclass keeps them), and the same random k-subsets
@@ -18,12 +19,13 @@ batch (below).
 (reward, the advantage TRL's loss used, the prompt) and how the update moved the log-probs of the
 tokens with A > 0 and A < 0 (mean change in nats, measured on that batch before and after the step).
 
-Run (CPU, two processes over gloo, what tests/test_engines.py runs):
-    accelerate launch --cpu --num_processes 2 tests/engines/trl_passk.py --steps 2 \\
-        --prompts-per-step 2 --group-size 8 --micro-batch 8
+Run (CPU, two processes over gloo, what tests/test_engines.py runs; --cpu would start one):
+    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \\
+        --dynamo_backend no tests/engines/trl_passk.py --seed 2 --steps 2 --prompts-per-step 2 \\
+        --group-size 8 --k 4 --micro-batch 8 --eval-problems 1 --eval-samples 1 --eval-k 1
 Run at scale:
-    accelerate launch --num_processes 8 tests/engines/trl_passk.py --model Qwen/Qwen2.5-0.5B-Instruct \\
-        --dataset train.jsonl --k 4 --backend vllm
+    accelerate launch --multi_gpu --num_processes 8 tests/engines/trl_passk.py \\
+        --model Qwen/Qwen2.5-0.5B-Instruct --dataset train.jsonl --k 4 --backend vllm
 """
 import argparse
 import json
@@ -36,10 +38,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 import passk  # noqa: E402  (the method: imported, never copied)
 import trl_grpo  # noqa: E402  (GRPO's settings, which Pass@k keeps)
-from trl import GRPOTrainer  # noqa: E402
 
 
-class PassKTrainer(GRPOTrainer):
+class PassKTrainer(trl_grpo.GRPOTrainerSkippingEmptySteps):
     """TRL's GRPOTrainer with passk.py's advantage (passk_args: passk.parse_args's namespace)."""
 
     def __init__(self, *args, passk_args, check_updates=None, **kwargs):
@@ -128,7 +129,7 @@ def main(argv=None):
     passk.check_args(args, "trl_passk")
     model, tokenizer = trl_grpo.load_policy(args)
     trainer = PassKTrainer(model=model, processing_class=tokenizer,
-                           reward_funcs=trl_grpo.verifier_reward,
+                           reward_funcs=trl_grpo.reward_function(tokenizer, args),
                            train_dataset=trl_grpo.training_dataset(args),
                            args=trl_grpo.grpo_config(args, args.output_dir, trl_grpo.num_processes()),
                            passk_args=args, check_updates=known.check_updates)

@@ -4,7 +4,8 @@ sampling_evolve.py's training is GRPO in which a group with no right sample is e
 go into the problem's database D_x, rounds of children are sampled from prompts E(x, S) that show
 earlier wrong attempts with their verdicts, and up to --max-evolved right children replace the
 group's last samples, trained as answers to the BARE prompt x. TRL's `rollout_func` sees each
-prompt's G rows at once, so the whole rescue fits in it: it samples the groups, scores them, evolves
+prompt's G rows at once, so the whole rescue fits in it: it samples the groups, scores them as
+sampling_evolve.py does (completion_text: after "<think>" where the prompt leaves one open), evolves
 the all-wrong ones with sampling_evolve.py's own functions (add_attempt, has_right_attempt,
 evolve_round, join_evolved, imported as they are) and returns
 
@@ -15,13 +16,16 @@ evolve_round, join_evolved, imported as they are) and returns
     evolve_reward   the row's reward, read back by the reward function
 
 TRL then computes GRPO's advantage of the rescued groups (A > 0 for each rescued child) and trains
-with the settings of trl_grpo.py. The databases live in the rollout (one per process: a problem that
-lands on another process later starts a new one there). What the rescue cost is in `rollout.stats`.
+with the settings of trl_grpo.py (and its trainer, which skips a step without signal). The
+databases live in the rollout (one per process: a problem that lands on another process later
+starts a new one there). What the rescue cost is in `rollout.stats`.
 verl would need code between its scoring and its advantage (no hook there takes whole groups).
 
-Run (CPU, a quick look):  python tests/engines/trl_sampling_evolve.py --steps 2 --prompts-per-step 4 --group-size 4
-Run at scale:             accelerate launch --num_processes 8 tests/engines/trl_sampling_evolve.py \\
-                              --model Qwen/Qwen2.5-0.5B-Instruct --dataset train.jsonl
+Run (CPU, a quick look):
+    python tests/engines/trl_sampling_evolve.py --steps 2 --prompts-per-step 4 --group-size 4
+Run at scale:
+    accelerate launch --multi_gpu --num_processes 8 tests/engines/trl_sampling_evolve.py \\
+        --model Qwen/Qwen2.5-0.5B-Instruct --dataset train.jsonl
 """
 import math
 import sys
@@ -34,7 +38,6 @@ sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 import sampling_evolve as se  # noqa: E402  (the method: imported, never copied)
 import trl_grpo  # noqa: E402  (GRPO's settings, which the rescue keeps)
 import verifier  # noqa: E402
-from trl import GRPOTrainer  # noqa: E402
 
 
 class EvolveRollout:
@@ -45,6 +48,11 @@ class EvolveRollout:
         self.args, self.tokenizer, self.answers = args, tokenizer, answers  # question -> gold
         self.databases = {}  # question -> D_x, across steps
         self.stats = []  # per call: what the rescue found and cost
+
+    def sampler(self, trainer):
+        """pi_theta's sampler: Hugging Face generate with the trained model's current weights."""
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        return se.Sampler("hf", model, self.tokenizer, None, getattr(torch, self.args.dtype))
 
     def __call__(self, prompts, trainer):
         args, G, tokenizer = self.args, self.args.group_size, self.tokenizer
@@ -58,10 +66,11 @@ class EvolveRollout:
               for p in problems]  # x, as sampling_evolve.py encodes it
         model = trainer.accelerator.unwrap_model(trainer.model)
         training = model.training  # the sampler switches to eval(); TRL reads .training afterwards
-        sampler = se.Sampler("hf", model, tokenizer, None, getattr(torch, args.dtype))
+        sampler = self.sampler(trainer)
         # (1) y_1..y_G ~ pi_theta(.|x) for each prompt, scored
         samples = sampler.generate(xs, G, args.max_new_tokens, args.temperature)  # P * G
-        texts = tokenizer.batch_decode([s["ids"] for s in samples], skip_special_tokens=True)
+        texts = [se.completion_text(tokenizer, xs[i // G], s["ids"])  # as the verifier reads them
+                 for i, s in enumerate(samples)]
         golds = [p["answer"] for p in problems for _ in range(G)]
         rewards = torch.tensor([verifier.reward(t, g) for t, g in zip(texts, golds)])  # [P * G]
         # (2a) each all-wrong group is evolved: its G samples are this visit's round 0 of D_x
@@ -105,7 +114,7 @@ def evolve_reward(completions, evolve_reward, **_):
     return list(evolve_reward)
 
 
-def build_trainer(args, trainer_class=GRPOTrainer):
+def build_trainer(args, trainer_class=trl_grpo.GRPOTrainerSkippingEmptySteps):
     """The trainer and its rollout for sampling_evolve.py's flags `args` (--mode train)."""
     if args.mode != "train":
         se.die("--mode search is inference only: run sampling_evolve.py against vLLM servers")

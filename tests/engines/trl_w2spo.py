@@ -42,9 +42,11 @@ of processes and accumulation steps. --loss-agg token-mean ("dapo") divides by t
 which the masked rows do not add to, so it needs no factor.
 Both models' rows are forwarded whole, continuation included (w2spo.py forwards only s + y).
 
-Run (CPU, a quick look):  python tests/engines/trl_w2spo.py --steps 2 --prompts-per-step 2 --group-size 4
-Run at scale:             accelerate launch --num_processes 8 tests/engines/trl_w2spo.py \\
-                              --model Qwen/Qwen3-4B --aux-model Qwen/Qwen3-0.6B-Base --dataset train.jsonl
+Run (CPU, a quick look):
+    python tests/engines/trl_w2spo.py --steps 2 --prompts-per-step 2 --group-size 4
+Run at scale:
+    accelerate launch --multi_gpu --num_processes 8 tests/engines/trl_w2spo.py \\
+        --model Qwen/Qwen3-4B --aux-model Qwen/Qwen3-0.6B-Base --dataset train.jsonl
 """
 import math
 import sys
@@ -56,7 +58,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 import w2spo  # noqa: E402  (the method: imported, never copied)
 import trl_grpo  # noqa: E402  (GRPO's settings, which W2SPO keeps)
-from trl import GRPOTrainer  # noqa: E402
 
 IS_MODES = {"truncated": "token_truncate", "branch": "sequence_truncate"}  # --aux-is -> TRL's mode
 
@@ -81,7 +82,7 @@ def w2spo_config(args, output_dir, num_processes=1):
                                 vllm_importance_sampling_clip_min=None)
 
 
-class W2SPOTrainer(GRPOTrainer):
+class W2SPOTrainer(trl_grpo.GRPOTrainerSkippingEmptySteps):
     """GRPOTrainer whose importance-sampling correction also runs when the rollout samples without
     TRL's vLLM engine, and whose per-row normalisers count w2spo.py's rows, those with a branch
     (see the module docstring)."""
