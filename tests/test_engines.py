@@ -85,7 +85,7 @@ def trl_trainer(model, tokenizer, args, tmp_path, **overrides):
     from trl import GRPOTrainer
     rows = Dataset.from_list([{"prompt": [{"role": "user", "content": "1 + 1?"}], "answer": "2"}] * 8)
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, train_dataset=rows,
-                          reward_funcs=trl_grpo.verifier_reward,
+                          reward_funcs=trl_grpo.reward_function(tokenizer, args),
                           args=trl_grpo.grpo_config(args, str(tmp_path / "trl"), **overrides))
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # the Trainer sets it per step; one here
