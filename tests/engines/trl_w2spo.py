@@ -89,6 +89,7 @@ class W2SPOTrainer(trl_grpo.GRPOTrainerSkippingEmptySteps):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.rows_per_branch_row = 1.0  # P G / (K G) of the latest generation batch
         self.samples_itself = not self.args.use_vllm
         if self.samples_itself and self.args.vllm_importance_sampling_correction:
             self.use_vllm = True  # what TRL's correction reads; no engine was started at init
