@@ -1,8 +1,8 @@
 """The GPU path, for a machine with CUDA: `python -m pytest tests/ -m cuda` (skipped without CUDA;
 CI never needs it). One step of every trainer with the tiny test model in bf16 compute with fp32
-master weights, a resume that restores the CUDA random states, and the measured peak memory of a
-training step against the rule of tests/gpu_memory_estimate.py. No vLLM, no network, no files but
-the repository's."""
+master weights, a run's summary that reports its own GPU peak, a resume that restores the CUDA
+random states, and the measured peak memory of a training step against the rule of
+tests/gpu_memory_estimate.py. No vLLM, no network, no files but the repository's."""
 import gc
 import json
 
