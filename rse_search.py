@@ -359,7 +359,10 @@ def vote_key(answer):
     text, as the verifier may read a long decimal as 1/3 or sqrt 2."""
     if len(answer) > verifier.MAX_ANSWER_CHARS:
         return answer  # is_equiv compares such an answer as a plain string
-    leaf = verifier._parse(verifier._clean(answer))  # is_equiv's own reading of the answer
+    try:
+        leaf = verifier._parse(verifier._clean(answer))  # is_equiv's own reading of the answer
+    except Exception:  # where is_equiv, too, falls back to the text
+        return answer
     short = leaf is not None and leaf[0] == "num" and len(leaf[2]) < verifier.APPROX_DIGITS
     return leaf[1] if short else answer  # a Fraction, or the answer's text
 
