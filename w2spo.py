@@ -295,8 +295,9 @@ def rope_follows_length(config):
     """Whether the rotary frequencies depend on the longest position of each forward: dynamic NTK
     ("dynamic") past max_position_embeddings, "longrope" (Phi-3.5) past its
     original_max_position_embeddings. Then a state forwarded alone and its branches forwarded after
-    it can use other frequencies than the whole row. transformers 5 reads the rope type from
-    rope_parameters, one dict or one per layer type; 4.x from rope_scaling, as rope_type or type."""
+    it can use other frequencies than the whole row. transformers 5 holds the rope type in
+    rope_parameters, one dict or one per layer type; a config without it (remote code) in
+    rope_scaling, as rope_type or the older key type."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     kinds = [rope] + [value for value in rope.values() if isinstance(value, dict)]
     names = [str(kind.get("rope_type", kind.get("type"))) for kind in kinds]
@@ -317,7 +318,7 @@ def state_logprobs(net, states, ids, temperature, micro_batch, with_entropy=Fals
         with autocast(net.device.type, compute_dtype):  # first pass, the states: [u, S, d], cache
             first = net.base_model(input_ids=state_ids, attention_mask=state_mask, use_cache=True,
                                    position_ids=(state_mask.cumsum(dim=1) - 1).clamp(min=0))
-        cache = first.get(name)
+        cache = first.get(name)  # the states' keys and values, [u, ...] in each layer
         kv_layers = ("DynamicLayer", "DynamicSlidingWindowLayer")  # caches of keys and values only
         layers = getattr(cache, "layers", [])  # none: no cache came back
         if (not layers or any(type(layer).__name__ not in kv_layers for layer in layers)

@@ -272,8 +272,8 @@ def test_rotary_frequencies_that_follow_the_length_get_whole_rows(kind, monkeypa
 
 
 def test_rope_types_are_read_from_rope_parameters_and_rope_scaling():
-    """transformers 5 holds the rope type in rope_parameters (one dict, or one per layer type);
-    4.x in rope_scaling, as rope_type or under the older key type."""
+    """transformers 5 holds the rope type in rope_parameters (one dict, or one per layer type); a
+    config without it (remote code) in rope_scaling, as rope_type or under the older key type."""
     config = lambda **fields: SimpleNamespace(**fields)  # noqa: E731
     assert w2spo.rope_follows_length(config(rope_parameters={"rope_type": "dynamic"}))
     per_layer_type = {"full_attention": {"rope_type": "longrope"},
