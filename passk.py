@@ -888,7 +888,9 @@ def output_logits(model, hidden):
     logit_scale, Granite's logits_scaling, Gemma 2's final_logit_softcapping)."""
     config = model.config.get_text_config()
     logits = model.get_output_embeddings()(hidden)
-    logits = logits * getattr(config, "logit_scale", 1.0) / getattr(config, "logits_scaling", 1.0)
+    # A config may hold either as None (MPT's logit_scale by default), which is no scaling.
+    scale, divisor = (getattr(config, name, None) for name in ("logit_scale", "logits_scaling"))
+    logits = logits * (1.0 if scale is None else scale) / (1.0 if divisor is None else divisor)
     cap = getattr(config, "final_logit_softcapping", None)
     if cap:
         logits = cap * torch.tanh(logits / cap)  # z = cap tanh(z / cap)
@@ -962,6 +964,8 @@ class Run:
         torch.manual_seed(args.seed)
         self.args = args
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda":  # so that the summary's peak is this run's, not the process's
+            torch.cuda.reset_peak_memory_stats()
         self.compute_dtype = getattr(torch, args.dtype)
         fields = dict(question_field=args.question_field, answer_field=args.answer_field)
         try:  # a bad file is a one-line error

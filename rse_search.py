@@ -352,12 +352,42 @@ def by_problem(flat, K):
     sample s, and no other line needs that index arithmetic."""
     return [flat[start: start + K] for start in range(0, len(flat), K)]
 
+def vote_key(answer):
+    """A key under which answers are interchangeable in is_equiv: the exact value of a short number
+    (0.5, 1/2 and \\frac{1}{2} share one), else the answer itself. Two short numbers are equivalent
+    exactly when their values are equal. A number of APPROX_DIGITS characters or more keeps its
+    text, as the verifier may read a long decimal as 1/3 or sqrt 2."""
+    if len(answer) > verifier.MAX_ANSWER_CHARS:
+        return answer  # is_equiv compares such an answer as a plain string
+    try:
+        leaf = verifier._parse(verifier._clean(answer))  # is_equiv's own reading of the answer
+    except Exception:  # where is_equiv, too, falls back to the text
+        return answer
+    short = leaf is not None and leaf[0] == "num" and len(leaf[2]) < verifier.APPROX_DIGITS
+    return leaf[1] if short else answer  # a Fraction, or the answer's text
+
 def majority_correct(texts, gold):
     """Whether the most frequent final answer is right. Equivalent answers vote together, a tie
-    goes to the answer seen first, and a text without an answer does not vote."""
-    answers = [a for a in map(verifier.extract_answer, texts) if a is not None]
-    votes = [sum(verifier.is_equiv(a, b) for b in answers) for a in answers]
-    return float(bool(answers) and verifier.is_equiv(answers[votes.index(max(votes))], gold))
+    goes to the answer seen first, and a text without an answer does not vote: an answer a has a
+    vote from every answer b with is_equiv(a, b), its own included. is_equiv is not transitive
+    ("x = 5" and "y = 5" each equal 5, not each other), so votes are counted pair by pair. Asking
+    about every pair of answers would take K^2 calls (10^8 at K_0 = 10,240), so the answers are
+    first counted by vote_key, and two short numbers are compared by their keys, without a call."""
+    count, first = Counter(), {}  # key -> how many answers have it; key -> the first of them
+    answers = Counter(a for a in map(verifier.extract_answer, texts) if a is not None)
+    for answer, n in answers.items():  # each distinct answer, in the order first seen
+        key = vote_key(answer)
+        count[key] += n
+        first.setdefault(key, answer)
+    others = [key for key in count if isinstance(key, str)]  # the answers not short numbers
+
+    def votes(key):  # from the answers b with is_equiv(the key's answer, b)
+        if isinstance(key, str):
+            return sum(n for b, n in count.items() if verifier.is_equiv(first[key], first[b]))
+        # a short number: its own answers, and the others that is_equiv finds equal to it
+        return count[key] + sum(count[b] for b in others if verifier.is_equiv(first[key], first[b]))
+    winner = max(count, key=votes, default=None)  # the first key with the most votes
+    return float(winner is not None and verifier.is_equiv(first[winner], gold))
 
 def solve(sampler, tokenizer, prompts, problems, K, args):
     """Omega_r: K samples per problem -> (texts [P][K], c_r(x) [P], statistics, trajectories).

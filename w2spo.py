@@ -78,6 +78,7 @@ Run:
 """
 import argparse
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -281,13 +282,33 @@ def sample_groups(sampler, aux_sampler, tokenizer, prompts, problems, args):
 # read its KV cache (the keys and values that later tokens attend to): Cache.batch_select_indices
 # gives each row a copy, through which the gradient flows back into the state's forward. A cache
 # that holds more than keys and values (linear attention, convolutions), or a static or quantised
-# one, cannot be copied so; then every row is forwarded whole, which gives the same numbers.
+# one, cannot be copied so; nor can rotary frequencies that follow the length of each forward
+# (rope_follows_length). Then every row is forwarded whole, which gives the same numbers.
 # pad, build_batch and hidden_logprobs (the output layer's log-probs) are in the plumbing too.
+def cache_name(model):
+    """The name under which the model's forward takes its KV cache and its output holds it: cache
+    from transformers 5.24 on (past_key_values warns there, and goes in 5.40), else
+    past_key_values, as before 5.24 and in remote code written for it."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+def rope_follows_length(config):
+    """Whether the rotary frequencies depend on the longest position of each forward: dynamic NTK
+    ("dynamic") past max_position_embeddings, "longrope" (Phi-3.5) past its
+    original_max_position_embeddings. Then a state forwarded alone and its branches forwarded after
+    it can use other frequencies than the whole row. transformers 5 holds the rope type in
+    rope_parameters, one dict or one per layer type; a config without it (remote code) in
+    rope_scaling, as rope_type or the older key type."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kinds = [rope] + [value for value in rope.values() if isinstance(value, dict)]
+    names = [str(kind.get("rope_type", kind.get("type"))) for kind in kinds]
+    return any("dynamic" in name or name == "longrope" for name in names)
+
 def state_logprobs(net, states, ids, temperature, micro_batch, with_entropy=False,
                    compute_dtype=torch.float32):
     """log pi(y_t | s, y_<t) of rows (state s, ids y) [B, T] (fp32), and the entropies [B, T]
     (no grad) when asked, else None. They are token_logprobs' numbers, each state forwarded once."""
     branch_ids, mask = (t.to(net.device) for t in pad(ids, 0))  # [B, T]: padding masked
+    name = cache_name(net.base_model)  # cache, or past_key_values before transformers 5.24
     parts = []  # per micro-batch: (log-probs [b, T], entropies [b, T] or None)
     for rows in torch.arange(len(states)).split(micro_batch):
         row_states = [tuple(states[i]) for i in rows.tolist()]
@@ -297,18 +318,20 @@ def state_logprobs(net, states, ids, temperature, micro_batch, with_entropy=Fals
         with autocast(net.device.type, compute_dtype):  # first pass, the states: [u, S, d], cache
             first = net.base_model(input_ids=state_ids, attention_mask=state_mask, use_cache=True,
                                    position_ids=(state_mask.cumsum(dim=1) - 1).clamp(min=0))
+        cache = first.get(name)  # the states' keys and values, [u, ...] in each layer
         kv_layers = ("DynamicLayer", "DynamicSlidingWindowLayer")  # caches of keys and values only
-        layers = getattr(first.past_key_values, "layers", [])  # none: no cache came back
-        if not layers or any(type(layer).__name__ not in kv_layers for layer in layers):
+        layers = getattr(cache, "layers", [])  # none: no cache came back
+        if (not layers or any(type(layer).__name__ not in kv_layers for layer in layers)
+                or rope_follows_length(net.config.get_text_config())):
             # Every row whole; the first micro-batch decides it for all of them.
             full, attention, _ = build_batch(states, ids, 0)
             return token_logprobs(net, full.to(net.device), attention.to(net.device), mask.shape[1],
                                   temperature, micro_batch, with_entropy, compute_dtype)
-        first.past_key_values.batch_select_indices(which)  # [b, ...]: each row's state's cache
+        cache.batch_select_indices(which)  # [b, ...]: each row's state's cache
         seen = state_mask[which]  # [b, S]
         positions = seen.sum(dim=1, keepdim=True) + torch.arange(mask.shape[1], device=net.device)
         with autocast(net.device.type, compute_dtype):  # [b, T, d]: the branches after the cache
-            rest = net.base_model(input_ids=branch_ids[rows], past_key_values=first.past_key_values,
+            rest = net.base_model(input_ids=branch_ids[rows], **{name: cache},
                                   attention_mask=torch.cat([seen, mask[rows]], dim=1),
                                   position_ids=positions).last_hidden_state  # positions [b, T]
         # y_0 is predicted by the state's last position, y_t (t >= 1) by the branch's position t - 1
@@ -1106,7 +1129,9 @@ def output_logits(model, hidden):
     logit_scale, Granite's logits_scaling, Gemma 2's final_logit_softcapping)."""
     config = model.config.get_text_config()
     logits = model.get_output_embeddings()(hidden)
-    logits = logits * getattr(config, "logit_scale", 1.0) / getattr(config, "logits_scaling", 1.0)
+    # A config may hold either as None (MPT's logit_scale by default), which is no scaling.
+    scale, divisor = (getattr(config, name, None) for name in ("logit_scale", "logits_scaling"))
+    logits = logits * (1.0 if scale is None else scale) / (1.0 if divisor is None else divisor)
     cap = getattr(config, "final_logit_softcapping", None)
     if cap:
         logits = cap * torch.tanh(logits / cap)  # z = cap tanh(z / cap)
@@ -1180,6 +1205,8 @@ class Run:
         torch.manual_seed(args.seed)
         self.args = args
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda":  # so that the summary's peak is this run's, not the process's
+            torch.cuda.reset_peak_memory_stats()
         self.compute_dtype = getattr(torch, args.dtype)
         fields = dict(question_field=args.question_field, answer_field=args.answer_field)
         try:  # a bad file is a one-line error

@@ -1,8 +1,9 @@
 """The GPU path, for a machine with CUDA: `python -m pytest tests/ -m cuda` (skipped without CUDA;
 CI never needs it). One step of every trainer with the tiny test model in bf16 compute with fp32
-master weights, a resume that restores the CUDA random states, and the measured peak memory of a
-training step against the rule of tests/gpu_memory_estimate.py. No vLLM, no network, no files but
-the repository's."""
+master weights, a run's summary that reports its own GPU peak, a resume that restores the CUDA
+random states, and the measured peak memory of a training step against the rule of
+tests/gpu_memory_estimate.py. No vLLM, no network, no files but the repository's."""
+import gc
 import json
 
 import pytest
@@ -26,8 +27,16 @@ def tiny_flags(model_dir, out, *extra):
             "--eval-samples", "2", "--eval-k", "1", "--lr", "1e-3", "--output-dir", str(out), *extra]
 
 
+def collect_garbage():
+    """Free what earlier tests left in reference cycles (models, optimizers), so that it neither
+    counts in what a test measures nor is freed in the middle of its measurement."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("script", sorted(TRAINERS))
 def test_one_step_of_every_trainer_on_cuda(script, tiny_model_dir, tmp_path):
+    collect_garbage()
     summary = TRAINERS[script].main(tiny_flags(tiny_model_dir, tmp_path, "--steps", "1"))
     assert summary["compute_dtype"] == "bfloat16"  # --dtype auto on a GPU
     assert 0 < summary["peak_gpu_memory_gb"] < 2
@@ -36,6 +45,16 @@ def test_one_step_of_every_trainer_on_cuda(script, tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
     saved = load_file(str(tmp_path / "final" / "model.safetensors"))
     assert {tensor.dtype for tensor in saved.values()} == {torch.float32}  # master weights
+
+
+def test_a_runs_summary_reports_its_own_gpu_peak(tiny_model_dir, tmp_path):
+    """An earlier, heavier use of the GPU in the same process (here 3 GiB, freed before the run)
+    is not the run's peak: Run resets the peak when it starts."""
+    collect_garbage()
+    heavy = torch.ones(3 * 2**30, dtype=torch.uint8, device="cuda")
+    del heavy
+    summary = grpo.main(tiny_flags(tiny_model_dir, tmp_path, "--steps", "1"))
+    assert 0 < summary["peak_gpu_memory_gb"] < 2
 
 
 def test_resume_on_cuda_restores_the_cuda_random_states(tiny_model_dir, tmp_path):
@@ -84,6 +103,7 @@ def allocated_after_a_warm_up():
 @pytest.mark.parametrize("fused", [True, False])
 def test_peak_memory_of_a_step_follows_the_rule(fused):
     cpu_peak, split = peak_bytes_per_parameter(random_model("cpu"), fused)  # the rule, profiled
+    collect_garbage()
     baseline = allocated_after_a_warm_up()  # bytes that belong to no model
     model = random_model("cuda")
     count = sum(p.numel() for p in model.parameters())

@@ -217,6 +217,19 @@ def test_bad_input_is_a_one_line_error(tiny_model_dir, tmp_path, flags, message)
     assert message in text and text.startswith("error: ") and "\n" not in text
 
 
+@pytest.mark.parametrize("name", ["logit_scale", "logits_scaling"])
+def test_a_config_that_holds_its_logit_scale_as_null_starts(tiny_model_dir, tmp_path, name):
+    """MPT's config holds logit_scale as null by default, and GraniteMoE's may hold logits_scaling
+    so: no scaling. The check at start reads it as 1, and a one-step run follows."""
+    import shutil
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, name: None}))
+    summary = grpo.main(tiny_run(str(folder), tmp_path / "run", "--steps", "1"))
+    assert summary["steps"] == 1
+
+
 def test_malformed_dataset_line_names_the_line(tiny_model_dir, tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"question": "1+1?", "answer": "2"}\n{"question": oops}\n')

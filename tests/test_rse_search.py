@@ -5,6 +5,7 @@ CPU, vLLM)."""
 import importlib.util
 import json
 import os
+import random
 import re
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import rse_search
+import verifier
 
 EMPTY = {"propositions": [], "pitfalls": []}
 
@@ -292,6 +294,71 @@ def test_majority_vote_pools_equivalent_answers_and_breaks_ties_by_first_seen():
     assert rse_search.majority_correct(["3", "4", "4", "3"], "3") == 1.0  # tie: first seen
     assert rse_search.majority_correct(["3", "4", "4"], "3") == 0.0
     assert rse_search.majority_correct(["nothing", "here"], "3") == 0.0
+
+
+def pairwise_majority_correct(texts, gold):
+    """The vote as defined, every answer against every other (rse_search.py before vote_key)."""
+    answers = [a for a in map(verifier.extract_answer, texts) if a is not None]
+    votes = [sum(verifier.is_equiv(a, b) for b in answers) for a in answers]
+    return float(bool(answers) and verifier.is_equiv(answers[votes.index(max(votes))], gold))
+
+
+# Spellings that are equal, one way or another: as numbers (0.5, 1/2, \frac12, 5%), an equation
+# and its value (x = 5, but x = 5 is not y = 5), a long decimal that may stand for 1/3 (while two
+# long decimals never match), symbolic forms (\sqrt{8}, 2\sqrt{2}), lists and tuples, empty boxes
+# and texts without an answer.
+SPELLINGS = ["0.5", "\\boxed{1/2}", "\\boxed{\\frac{1}{2}}", "\\boxed{\\dfrac12}", "so 0.50.",
+             "The answer is 5.", "\\boxed{5}", "5.0", "\\boxed{x = 5}", "\\boxed{y = 5}",
+             "\\boxed{x=5}", "\\boxed{5\\%}", "\\boxed{\\text{5 apples}}", "3", "-3",
+             "\\boxed{x = -3}", "0.333333333333", "\\boxed{1/3}", "0.3333333333333",
+             "\\boxed{\\frac{2}{6}}", "\\boxed{\\sqrt{8}}", "\\boxed{2\\sqrt{2}}", "2.82842712475",
+             "\\boxed{(1, 2)}", "\\boxed{1, 2}", "\\boxed{\\{2, 1\\}}", "\\boxed{}", "\\boxed{ }",
+             "no answer here", "<think>7</think>", "1e3", "\\boxed{1000}", "1,000", "\\boxed{(5)}",
+             "\\boxed{x \\approx 5}"]
+
+
+def test_majority_vote_is_the_pairwise_vote():
+    """On random draws of the spellings above (ties, no answer at all, non-transitive triples),
+    majority_correct gives the result of comparing every answer with every other."""
+    rng = random.Random(0)
+    golds = [verifier.extract_answer(s) or s for s in SPELLINGS]
+    outcomes = set()
+    for _ in range(400):
+        texts = rng.choices(SPELLINGS, k=rng.randint(0, 7))
+        gold = rng.choice(golds)
+        want = pairwise_majority_correct(texts, gold)
+        assert rse_search.majority_correct(texts, gold) == want, (texts, gold)
+        outcomes.add(want)
+    assert outcomes == {0.0, 1.0}
+    # 5 has three votes (its own, x = 5's and y = 5's) and wins. Merging 5 into x = 5, the first
+    # answer it equals, would elect x = 5, which is not y = 5.
+    texts = ["\\boxed{x = 5}", "\\boxed{y = 5}", "5", "3", "3"]
+    assert rse_search.majority_correct(texts, "y = 5") == 1.0
+
+
+def test_majority_vote_of_10240_answers_asks_few_questions(monkeypatch):
+    """RSE's first round draws K_0 = 10,240 answers: mostly numbers in a modest range, some LaTeX
+    spellings. Comparing every pair would take 10^8 is_equiv calls; the vote counts by key and asks
+    is_equiv only about the four answers that are not short numbers (x = 42, sqrt 2, 2 sqrt 3 and
+    (1, 2)), against each of the hundred or so keys, both ways."""
+    rng = random.Random(0)
+    numbers = [str(round(rng.gauss(40, 15))) for _ in range(9_000)]  # mostly around 40
+    latex = ["\\boxed{42}", "\\boxed{\\frac{84}{2}}", "42.0", "\\boxed{x = 42}",
+             "\\boxed{\\sqrt{2}}", "\\boxed{\\dfrac{1}{2}}", "\\boxed{2\\sqrt{3}}",
+             "\\boxed{(1, 2)}"]
+    texts = [f"So the answer is {a}." for a in numbers] + rng.choices(latex, k=1_240)
+    rng.shuffle(texts)
+    calls = []
+    real = verifier.is_equiv
+
+    def counted(a, b):
+        calls.append((a, b))
+        assert len(calls) <= 2_000, "is_equiv asked about (nearly) every pair"
+        return real(a, b)
+    monkeypatch.setattr(verifier, "is_equiv", counted)
+    assert rse_search.majority_correct(texts, "42") == 1.0
+    calls.clear()
+    assert rse_search.majority_correct(texts, "41") == 0.0
 
 
 # ------------------------------------------------------------------------ flags and bad input

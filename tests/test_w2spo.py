@@ -238,6 +238,53 @@ def test_micro_batches_split_states_and_groups_alike(tiny_model_dir):
     assert split[3] == [(2, 7), (4, 5), (2, 7), (2, 5)]
 
 
+ROPE_FOLLOWS_LENGTH = {  # the states have 3 and 7 tokens, the whole rows up to 12: they cross 8
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},  # dynamic NTK, past max_position_embeddings
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [4.0] * 16,
+                 "factor": 2.0, "original_max_position_embeddings": 8},  # Phi-3.5's kind
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE_FOLLOWS_LENGTH))
+def test_rotary_frequencies_that_follow_the_length_get_whole_rows(kind, monkeypatch):
+    """Dynamic NTK and longrope choose the rotary frequencies from the longest position of each
+    forward. A state of 7 tokens forwarded alone stays below 8 and its branches' pass goes past
+    it, so the state's keys would be rotated by other frequencies than the whole row's: such a
+    model gets whole rows, and the numbers of token_logprobs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=103, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                         max_position_embeddings=8, rope_scaling=ROPE_FOLLOWS_LENGTH[kind],
+                         initializer_range=0.2)  # weights large enough that attention matters
+    model = LlamaForCausalLM(config).float()
+    assert w2spo.rope_follows_length(model.config)
+    logp, entropy, grad, shapes = rows_and_grads(model, True, torch.float32)
+    want_logp, want_entropy, want_grad, _ = rows_and_grads(model, False, torch.float32)
+    torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, want_entropy, atol=1e-5, rtol=0)
+    assert (grad - want_grad).norm() <= 1e-4 * want_grad.norm()
+    assert shapes == [(3, 7), (6, 12)]  # the states once (not shared), then the six whole rows
+    monkeypatch.setattr(w2spo, "rope_follows_length", lambda config: False)
+    shared_logp, _, _, shapes = rows_and_grads(model, True, torch.float32)
+    assert shapes == [(3, 7), (6, 5)]  # the shared state's path, which the guard skips
+    assert (shared_logp - want_logp).abs().max() > 0.1
+
+
+def test_rope_types_are_read_from_rope_parameters_and_rope_scaling():
+    """transformers 5 holds the rope type in rope_parameters (one dict, or one per layer type); a
+    config without it (remote code) in rope_scaling, as rope_type or under the older key type."""
+    config = lambda **fields: SimpleNamespace(**fields)  # noqa: E731
+    assert w2spo.rope_follows_length(config(rope_parameters={"rope_type": "dynamic"}))
+    per_layer_type = {"full_attention": {"rope_type": "longrope"},
+                      "sliding_attention": {"rope_type": "default"}}
+    assert w2spo.rope_follows_length(config(rope_parameters=per_layer_type))
+    assert w2spo.rope_follows_length(config(rope_parameters=None, rope_scaling={"type": "dynamic"}))
+    assert not w2spo.rope_follows_length(config(rope_parameters={"rope_type": "yarn"}))
+    assert not w2spo.rope_follows_length(config(rope_parameters={"rope_type": "default"}))
+    assert not w2spo.rope_follows_length(config())
+
+
 # ----------------------------------------------------------------------------- the loss
 
 def toy_branches():
@@ -338,6 +385,29 @@ def written_out(branches, model, aux_model_dir, mode, parts=("branch",), cap=2.0
             terms.append(term.sum())
             count += len(lp)
     return sum(terms) / count
+
+
+def test_an_update_passes_the_cache_by_the_name_transformers_takes(tiny_model_dir, aux_model_dir):
+    """transformers 5.24 renamed the KV cache's argument and output field past_key_values to cache.
+    The old argument warns through warnings, the old field through transformers' logger, until
+    both go in 5.40. A W2SPO update, whose shared-state forward passes a cache, warns through
+    neither, on the old name's versions and the new one's."""
+    import logging
+    import warnings
+    logging.Logger.warning_once.cache_clear()  # what this process logged once logs again
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stats, _ = one_step(tiny_model_dir, batch_of(toy_branches(), aux_model_dir))
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    said = [str(w.message) for w in caught] + [record.getMessage() for record in records]
+    assert stats["loss"] != 0.0  # the update ran through the shared states
+    assert not [text for text in said if "past_key_values" in text], said
 
 
 @pytest.mark.parametrize("mode", ["truncated", "clip", "none", "branch"])
